@@ -2,5 +2,17 @@
 
 from longspec_jax.config import ModelConfig, RopeScaling
 from longspec_jax.errors import UserError
+from longspec_jax.model import KVCache, commit, init_cache
+from longspec_jax.target import Target, load_target, random_target
 
-__all__ = ["ModelConfig", "RopeScaling", "UserError"]
+__all__ = [
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "Target",
+    "UserError",
+    "commit",
+    "init_cache",
+    "load_target",
+    "random_target",
+]

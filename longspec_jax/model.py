@@ -1,0 +1,261 @@
+"""The target decoder (Llama family and Qwen2) in Flax NNX, its static KV cache and `commit`.
+
+Layout: linear kernels are `[in, out]`; the embedding (and a separate LM head) are `[V, H]`.
+Every layer owns its own parameter arrays and the layers run in a Python loop: stacked layers
+indexed inside a device loop get copied every step (GPU.md), per-layer arrays do not.
+Activations run in the parameter dtype; RMSNorm statistics, softmax and logits in float32.
+Attention math lives in `attention.py`; this file only projects, rotates and stores K/V.
+
+The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
+an array, so one compiled program serves all prompt lengths of the same padded shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from longspec_jax import attention
+from longspec_jax.config import ModelConfig
+from longspec_jax.errors import UserError
+from longspec_jax.rope import apply_rope, inverse_frequencies
+
+INIT_STD = 0.02
+
+
+@struct.dataclass
+class KVCache:
+    """Static KV cache. k, v: one `[B, S_max, Hkv, D]` array per layer (k after RoPE);
+    lengths: int32[B], the tokens held per sequence (rows past it hold anything)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+    """An empty cache of `max_len` rows (static) per sequence."""
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    per_layer = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return KVCache(k=per_layer(), v=per_layer(), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def _write_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_rows [B,S,H,D] with new [B,T,H,D] written at rows [start[b], start[b] + T).
+
+    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail)."""
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+    return jax.vmap(write)(cache_rows, new, start)
+
+
+def commit(cache: KVCache, src: jax.Array, n_accept: jax.Array) -> KVCache:
+    """Move accepted rows to the cache end: rows `lengths[b] + src[b, i]` go to `lengths[b] + i`
+    (all i < A, in every layer), then `lengths += n_accept`. src: int32[B, A]; n_accept: int32[B].
+
+    All A rows are gathered before any is written, so overlapping moves are safe."""
+    rows = cache.lengths[:, None] + src  # [B, A]
+    gather = jax.vmap(lambda x, r: jnp.take(x, r, axis=0, mode="clip"))
+
+    def compact(x):
+        return _write_rows(x, gather(x, rows), cache.lengths)
+
+    return cache.replace(
+        k=tuple(compact(x) for x in cache.k),
+        v=tuple(compact(x) for x in cache.v),
+        lengths=cache.lengths + n_accept.astype(jnp.int32),
+    )
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    # Drawn directly in the target dtype on the default device: no float32 copy at 7B size.
+    return jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(INIT_STD, dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    """Statistics in float32; the weight multiplies the result cast back to the input dtype (as HF)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class SelfAttentionProjections(nnx.Module):
+    """q/k/v/o projections of one layer (the attention itself is `attention.py`'s)."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+
+    def kv(self, x, positions, inv_freq):
+        """k (after RoPE), v: [B, T, Hkv, D]."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, positions, inv_freq), v
+
+    def qkv(self, x, positions, inv_freq):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k, v = self.kv(x, positions, inv_freq)
+        return apply_rope(q, positions, inv_freq), k, v
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(h, f, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(h, f, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, h, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block, split at the attention so callers choose how q/k/v meet the cache."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = SelfAttentionProjections(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def qkv(self, x, positions, inv_freq):
+        """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
+        return self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
+
+    def finish(self, x, attn_out):
+        """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
+        b, t = x.shape[:2]
+        x = x + self.self_attn.o_proj(attn_out.reshape(b, t, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nnx.Module):
+    """Llama / Qwen2 decoder. Parameters in `dtype` (bfloat16 on GPU, float32 for tests)."""
+
+    def __init__(self, config: ModelConfig, *, dtype="bfloat16", rngs: nnx.Rngs):
+        dtype = jnp.dtype(dtype)
+        self.config = config
+        self.dtype = dtype
+        self.embed = nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dtype))
+        )
+
+    def _inv_freq(self) -> jax.Array:
+        return jnp.asarray(inverse_frequencies(self.config))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """int32[B,T] -> [B,T,H] in the parameter dtype."""
+        return jnp.take(self.embed[...], tokens, axis=0)
+
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        """[B,T,H] -> float32[B,T,V]. No final norm here: the draft feeds un-normalised features."""
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("bth,vh->btv", hidden, head, preferred_element_type=jnp.float32)
+
+    def _causal_layers(self, x, positions, lengths, layers, impl, on_kv=None):
+        """Run `layers` over x [B,L,H] with causal self-attention; on_kv(i, k, v) sees each
+        layer's keys and values as they are made."""
+        inv_freq = self._inv_freq()
+        for i, layer in enumerate(layers):
+            q, k, v = layer.qkv(x, positions, inv_freq)
+            x = layer.finish(x, attention.prefill_attention(q, k, v, lengths, impl=impl))
+            if on_kv is not None:
+                on_kv(i, k, v)
+        return x
+
+    def forward_logits(self, tokens: jax.Array, *, attn_impl: str | None = None) -> jax.Array:
+        """Full causal forward at positions 0..L-1, no cache: int32[B,L] -> float32[B,L,V]."""
+        b, l = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        lengths = jnp.full((b,), l, jnp.int32)
+        x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers, _impl(attn_impl))
+        return self.lm_logits(self.norm(x))
+
+    def prefill(self, tokens: jax.Array, lengths: jax.Array, cache: KVCache, *, attn_impl: str | None = None):
+        """Right-padded prompts tokens int32[B,L] (L <= cache.max_len) with true lengths int32[B]
+        into an empty cache. Returns (float32[B,V] logits at each prompt's last token, cache with
+        lengths == lengths). Rows [lengths[b], L) hold padding K/V that later writes overwrite."""
+        b, l = tokens.shape
+        if l > cache.max_len:
+            raise UserError(f"a prompt of {l} tokens does not fit a KV cache of {cache.max_len} rows: "
+                            "shorten the prompt or allocate a longer cache")
+        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        lengths = lengths.astype(jnp.int32)
+        new_k, new_v = list(cache.k), list(cache.v)
+
+        def store(i, k, v):  # in program order right after each layer: its block K/V can die early
+            new_k[i] = jax.lax.dynamic_update_slice(new_k[i], k.astype(new_k[i].dtype), (0, 0, 0, 0))
+            new_v[i] = jax.lax.dynamic_update_slice(new_v[i], v.astype(new_v[i].dtype), (0, 0, 0, 0))
+
+        x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers, _impl(attn_impl), store)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B,1,H]
+        logits = self.lm_logits(self.norm(last))[:, 0]
+        return logits, cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths)
+
+    def forward_block(self, tokens, positions, block_mask, cache: KVCache, *, attn_impl: str | None = None):
+        """T new tokens int32[B,T] at positions int32[B,T] against the cache plus each other under
+        block_mask bool[B,T,T]. Returns (float32[B,T,V], cache with the block's K/V at rows
+        [lengths[b], lengths[b] + T) of every layer; lengths unchanged). Needs lengths + T <= S_max."""
+        impl = _impl(attn_impl)
+        inv_freq = self._inv_freq()
+        x = self.embed_tokens(tokens)
+        new_k, new_v = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            q, k, v = layer.qkv(x, positions, inv_freq)
+            # Write first: attention reads only rows < lengths, and the updated buffer is the one
+            # that lives on, so XLA can update it in place.
+            k_cache = _write_rows(k_cache, k, cache.lengths)
+            v_cache = _write_rows(v_cache, v, cache.lengths)
+            o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
+            x = layer.finish(x, o)
+            new_k.append(k_cache)
+            new_v.append(v_cache)
+        return self.lm_logits(self.norm(x)), cache.replace(k=tuple(new_k), v=tuple(new_v))
+
+    def last_layer_kv(self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None):
+        """The draft's training input: the last layer's k (after RoPE) and v, each [B,L,Hkv,D].
+        Runs layers 0..N-2 causally (by index; positions only rotate) and then only the last
+        layer's input norm and k/v projections."""
+        b, l = tokens.shape
+        lengths = jnp.full((b,), l, jnp.int32)
+        x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
+        last = self.layers[-1]
+        return last.self_attn.kv(last.input_layernorm(x), positions, self._inv_freq())
+
+
+def _impl(attn_impl: str | None) -> str:
+    return attention.default_impl() if attn_impl is None else attn_impl

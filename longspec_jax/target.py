@@ -1,0 +1,88 @@
+"""`Target`: the loaded target model with its config and tokenizer; `load_target`, `random_target`."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longspec_jax.checkpoint_hf import load_hf_model, model_from_hf_tensors
+from longspec_jax.config import ModelConfig
+from longspec_jax.errors import UserError
+from longspec_jax.model import Transformer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_logits(graphdef, params, tokens):
+    # Parameters come in as arguments: closed over they would be baked into the program.
+    return nnx.merge(graphdef, params).forward_logits(tokens)
+
+
+class Target:
+    """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`."""
+
+    def __init__(self, config: ModelConfig, model: Transformer, tokenizer=None):
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = model.dtype
+
+    def forward_logits(self, tokens) -> jax.Array:
+        """Full causal forward, no cache: int32[B, L] -> float32[B, L, V] (jitted per shape)."""
+        graphdef, params = nnx.split(self.model)
+        return _forward_logits(graphdef, params, jnp.asarray(tokens, jnp.int32))
+
+
+def load_target(path: str | Path | None, *, dtype="bfloat16") -> Target:
+    """An HF checkpoint directory, a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct."""
+    if path is None:
+        from longspec_jax.embedded import smollm2_gguf_path
+
+        return _load_gguf(Path(smollm2_gguf_path()), dtype)
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"target path {path} does not exist: pass an HF checkpoint directory or a .gguf file")
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype)
+    if not path.is_dir():
+        raise UserError(
+            f"target {path} is neither a directory nor a .gguf file: pass an HF checkpoint directory or a .gguf file"
+        )
+    config, model = load_hf_model(path, dtype)
+    return Target(config, model, _hf_tokenizer(path))
+
+
+def random_target(config: ModelConfig, *, seed: int = 0, dtype="float32") -> Target:
+    """A target with random weights (std 0.02, norms 1, biases 0), drawn on the default device."""
+    return Target(config, Transformer(config, dtype=dtype, rngs=nnx.Rngs(seed)))
+
+
+def _load_gguf(path: Path, dtype) -> Target:
+    from longspec_jax.checkpoint_gguf import read_gguf
+
+    hf_config, tensors = read_gguf(path)
+    config = ModelConfig.from_hf_dict(hf_config)
+    return Target(config, model_from_hf_tensors(config, tensors, dtype), _gguf_tokenizer(path))
+
+
+def _gguf_tokenizer(path: Path):
+    try:
+        from longspec_jax.tokenizer import load_tokenizer
+    except ModuleNotFoundError as e:
+        if e.name != "longspec_jax.tokenizer":
+            raise
+        return None  # the GGUF tokenizer module has not landed yet
+    return load_tokenizer(path)
+
+
+def _hf_tokenizer(directory: Path):
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
