@@ -1,20 +1,36 @@
 """The attention-op module: every attention in the target and the draft goes through here.
 
-Two entry points, each with implementations chosen by `impl`:
+Two entry points, each with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `prefill_attention`: a block of L tokens against itself, causal, per-sequence lengths (the cache
   is empty before it).
 - `hybrid_tree_attention`: T new queries against a cache (every query sees cache keys
   [0, cache_len[b]) with no mask) plus the T' new keys under a boolean mask (a tree mask in
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
 
+The hybrid splits the keys (SPEC.md 6): `cache_attention` over the cache (cuDNN flash, a Pallas
+split-K kernel, or XLA) and the Pallas `masked_attention` over the new keys each return (o, lse);
+`merge_attention` combines them exactly. impl "xla" is one dense masked attention over the
+concatenated keys: the reference the others are tested against, and the CPU default.
+
 Layouts: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; query head h reads KV head h // (Hq // Hkv)
-(HF's repeat_kv grouping). Softmax in float32; outputs in q.dtype.
+(HF's repeat_kv grouping). Softmax in float32; outputs in q.dtype; lse float32 [B, Hq, T].
 """
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+
+from longspec_jax.errors import UserError
+from pallas_kernels import cache_attention as pallas_cache
+from pallas_kernels.tree_attention import masked_attention
+
+__all__ = ["cache_attention", "default_impl", "hybrid_tree_attention", "masked_attention",
+           "masked_softmax_attention", "merge_attention", "prefill_attention"]
+
+IMPLS = ("xla", "cudnn", "pallas")
 
 NEG_INF = float("-inf")
 
@@ -52,6 +68,26 @@ def masked_softmax_attention(q, k, v, mask, *, scale=None):
     return o.astype(q.dtype), lse.reshape(b, hkv * g, t)
 
 
+def _check_impl(impl: str, where: str) -> None:
+    if impl not in IMPLS:
+        raise UserError(f"{where}: unknown attention impl {impl!r}; use one of {IMPLS}")
+
+
+def _cudnn_unusable(q) -> str | None:
+    """Why cuDNN flash attention cannot run these inputs here, or None when it can."""
+    if jax.default_backend() != "gpu":
+        return "no GPU"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN attention needs bfloat16/float16, got {q.dtype}"
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return f"cuDNN attention needs head dim <= 256 and a multiple of 8, got {q.shape[-1]}"
+    return None
+
+
+def _fallback_warning(what: str, reason) -> None:
+    warnings.warn(f"{what}: cuDNN path unavailable ({reason}); using the XLA path", stacklevel=3)
+
+
 def _prefill_xla(q, k, v, lengths, scale):
     t = q.shape[1]
     pos = jnp.arange(t)
@@ -60,22 +96,102 @@ def _prefill_xla(q, k, v, lengths, scale):
     return o
 
 
+def _prefill_cudnn(q, k, v, lengths, scale):
+    reason = _cudnn_unusable(q)
+    if reason is not None:
+        _fallback_warning("prefill_attention", reason)
+        return _prefill_xla(q, k, v, lengths, scale)
+    lengths = lengths.astype(jnp.int32)
+    # is_causal is top-left aligned, which is right here: queries and keys are the same positions.
+    o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths, implementation="cudnn")
+    # Padding rows (and every row of an empty sequence) come back as 0, never as cuDNN's leftovers.
+    valid = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(valid[:, :, None, None], o, 0).astype(q.dtype)
+
+
 def prefill_attention(q, k, v, lengths, *, impl: str = "xla", scale=None):
     """Causal self-attention of a block of L tokens: q [B,L,Hq,D], k/v [B,L,Hkv,D], lengths int32[B].
 
     Query i sees keys j <= i with j < lengths[b]; rows past lengths[b] are padding (any finite value).
+    There is no Pallas prefill kernel: impl "pallas" runs the cuDNN path, which (like "cudnn") falls
+    back to XLA off GPU or for float32 inputs.
     """
+    _check_impl(impl, "prefill_attention")
     if impl == "xla":
         return _prefill_xla(q, k, v, lengths, scale)
-    raise ValueError(f"unknown attention impl {impl!r} for prefill_attention")
+    return _prefill_cudnn(q, k, v, lengths, scale)
+
+
+def _cache_mask(cache_len, num_queries: int, capacity: int):
+    visible = jnp.arange(capacity)[None, None, :] < cache_len[:, None, None]
+    return jnp.broadcast_to(visible, (cache_len.shape[0], num_queries, capacity))
+
+
+def _cache_xla(q, k_cache, v_cache, cache_len, scale):
+    return masked_softmax_attention(q, k_cache, v_cache, _cache_mask(cache_len, q.shape[1], k_cache.shape[1]),
+                                    scale=scale)
+
+
+def _cache_cudnn(q, k_cache, v_cache, cache_len, scale):
+    """cuDNN flash with a padding mask; the float32 LSE comes from JAX's private cuDNN entry point
+    (the public return_residual LSE is rounded to bf16, too coarse to merge). Pinned to jax 0.11:
+    keywords only, and any refusal at trace time falls back to XLA."""
+    reason = _cudnn_unusable(q)
+    if reason is None:
+        b, t = q.shape[:2]
+        cache_len = jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+            o, lse = cudnn_fa.dot_product_attention(
+                query=q, key=k_cache, value=v_cache,
+                q_seqlen=jnp.full((b,), t, jnp.int32), kv_seqlen=cache_len,
+                scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                mask_type=cudnn_fa.MaskType.PADDING, qkv_layout="BTNH", return_residual=True)
+        except (ImportError, AttributeError, TypeError, ValueError, NotImplementedError, RuntimeError) as err:
+            reason = f"{type(err).__name__}: {err}"
+        else:
+            # An empty cache must read as "no keys" (o = 0, lse = -inf) whatever cuDNN returns for it.
+            empty = cache_len == 0
+            o = jnp.where(empty[:, None, None, None], 0, o).astype(q.dtype)
+            lse = jnp.where(empty[:, None, None], -jnp.inf, lse.astype(jnp.float32))
+            return o, lse
+    _fallback_warning("cache_attention", reason)
+    return _cache_xla(q, k_cache, v_cache, cache_len, scale)
+
+
+def cache_attention(q, k_cache, v_cache, cache_len, *, impl: str = "xla", scale=None):
+    """q [B,T,Hq,D] against keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D], no mask.
+
+    Returns (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T]); an empty cache gives o = 0, lse = -inf.
+    """
+    _check_impl(impl, "cache_attention")
+    if impl == "pallas":
+        return pallas_cache.cache_attention(q, k_cache, v_cache, cache_len, scale=scale)
+    if impl == "cudnn":
+        return _cache_cudnn(q, k_cache, v_cache, cache_len, scale)
+    return _cache_xla(q, k_cache, v_cache, cache_len, scale)
+
+
+def merge_attention(o_c, lse_c, o_s, lse_s):
+    """Exact combination of attention over two disjoint key sets, each given as (o [B,T,Hq,D],
+    lse float32 [B,Hq,T]): LSE = logaddexp(lse_c, lse_s), O = O_c e^(lse_c - LSE) + O_s e^(lse_s - LSE),
+    in float32. A side with lse = -inf (no visible key) gets weight 0; both empty gives 0."""
+    lse = jnp.logaddexp(lse_c, lse_s)
+    shift = jnp.where(lse == -jnp.inf, 0.0, lse)
+
+    def weight(side_lse):  # [B, Hq, T] -> [B, T, Hq, 1]
+        return jnp.exp(side_lse - shift).transpose(0, 2, 1)[..., None]
+
+    o = o_c.astype(jnp.float32) * weight(lse_c) + o_s.astype(jnp.float32) * weight(lse_s)
+    return o.astype(o_c.dtype)
 
 
 def _hybrid_xla(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, scale):
     """One dense masked attention over the concatenated keys (the reference for the hybrid)."""
     s = k_cache.shape[1]
-    cache_mask = jnp.arange(s)[None, None, :] < cache_len[:, None, None]
-    cache_mask = jnp.broadcast_to(cache_mask, (q.shape[0], q.shape[1], s))
-    mask = jnp.concatenate([cache_mask, tree_mask], axis=-1)
+    mask = jnp.concatenate([_cache_mask(cache_len, q.shape[1], s), tree_mask], axis=-1)
     k = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1)
     v = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1)
     o, _ = masked_softmax_attention(q, k, v, mask, scale=scale)
@@ -84,12 +200,24 @@ def _hybrid_xla(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, scale):
 
 def hybrid_tree_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, *, impl: str = "xla", scale=None):
     """q [B,T,Hq,D] against cache keys [0, cache_len[b]) of k_cache/v_cache [B,S,Hkv,D] (no mask)
-    plus new keys k_new/v_new [B,T',Hkv,D] under tree_mask bool[B,T,T']. Returns o [B,T,Hq,D]."""
+    plus new keys k_new/v_new [B,T',Hkv,D] under tree_mask bool[B,T,T']. Returns o [B,T,Hq,D].
+
+    "cudnn" and "pallas" name the cache path; both take the new keys through the Pallas masked
+    kernel and merge by LSE.
+    """
+    _check_impl(impl, "hybrid_tree_attention")
     if impl == "xla":
         return _hybrid_xla(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, scale)
-    raise ValueError(f"unknown attention impl {impl!r} for hybrid_tree_attention")
+    o_c, lse_c = cache_attention(q, k_cache, v_cache, cache_len, impl=impl, scale=scale)
+    o_s, lse_s = masked_attention(q, k_new.astype(q.dtype), v_new.astype(q.dtype), tree_mask, scale=scale)
+    return merge_attention(o_c, lse_c, o_s, lse_s).astype(q.dtype)
+
+
+# The hybrid impl with the lowest measured time at the verify shapes on an H200 (BENCHMARKS.md,
+# "Hybrid tree attention").
+FASTEST_GPU_IMPL = "pallas"
 
 
 def default_impl() -> str:
     """The attention implementation for the default backend: the fastest measured on GPU, xla elsewhere."""
-    return "xla" if jax.default_backend() != "gpu" else "xla"
+    return FASTEST_GPU_IMPL if jax.default_backend() == "gpu" else "xla"
