@@ -1,11 +1,13 @@
 """longspec-jax: LongSpec long-context lossless speculative decoding in JAX / Flax NNX / Pallas."""
 
 from longspec_jax.config import ModelConfig, RopeScaling
+from longspec_jax.draft_io import Draft, init_draft, load_draft
 from longspec_jax.errors import UserError
 from longspec_jax.model import KVCache, commit, init_cache
 from longspec_jax.target import Target, load_target, random_target
 
 __all__ = [
+    "Draft",
     "KVCache",
     "ModelConfig",
     "RopeScaling",
@@ -13,6 +15,8 @@ __all__ = [
     "UserError",
     "commit",
     "init_cache",
+    "init_draft",
+    "load_draft",
     "load_target",
     "random_target",
 ]

@@ -1,0 +1,188 @@
+"""Creating, saving and loading drafts: `Draft`, `init_draft`, `load_draft`.
+
+`load_draft(path, target)` reads
+  (i)   our export: a directory with model.safetensors + config.json (written by `Draft.save`);
+  (ii)  the reference's HF draft directories (`sail/longspec-<target>`): safetensors (single or
+        sharded) or pytorch_model.bin, or a single .safetensors file;
+  (iii) the reference's training state dicts (.pth / .pt / .bin, torch needed), where the block's
+        tensors carry a `draft_model.` prefix.
+All three use the reference's tensor names (SPEC.md 3), HF layout ([out, in] linear weights). Any
+prefix before them (`draft_model.`, `model.layers.0.`, ...) is found from the one tensor only the
+draft has, post_cross_attention_layernorm.weight. cross_attn.k_proj / v_proj are unused by the
+model (it reads the target's K/V) and are skipped. Every shape is checked against the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax.config import ModelConfig
+from longspec_jax.draft import DraftBlock, DraftConfig
+from longspec_jax.errors import UserError
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+EXPORT_KEY = "longspec_jax_draft"
+TORCH_SUFFIXES = (".pth", ".pt", ".bin")
+MARKER_TENSOR = "post_cross_attention_layernorm.weight"
+BLOCK_PARTS = ("self_attn.", "cross_attn.", "mlp.", "input_layernorm.", "post_self_attention_layernorm.", MARKER_TENSOR)
+UNUSED_PARTS = ("cross_attn.k_proj.", "cross_attn.v_proj.")
+ROPE_BUFFER = "rotary_emb.inv_freq"  # older transformers saved it in state dicts; ours is recomputed
+
+
+@dataclasses.dataclass
+class Draft:
+    """A draft ready to run: `.block` (DraftBlock, float32 unless cast), `.config` (DraftConfig),
+    `.target_config` (the ModelConfig it was built for)."""
+
+    block: DraftBlock
+
+    @property
+    def config(self) -> DraftConfig:
+        return DraftConfig(window=self.block.window)
+
+    @property
+    def target_config(self) -> ModelConfig:
+        return self.block.config
+
+    def cast(self, dtype) -> "Draft":
+        """A copy with every parameter in `dtype` (bfloat16 for inference)."""
+        graphdef, state = nnx.split(self.block)
+        return Draft(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state)))
+
+    def save(self, path: str | Path) -> Path:
+        """Write our export: `path/model.safetensors` (reference names, parameter dtype) and
+        `path/config.json` (the window and the target config it fits)."""
+        from safetensors.flax import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            name: jnp.asarray(param[...].T if transposed else param[...])
+            for name, param, transposed in draft_parameter_slots(self.block)
+        }
+        save_file(tensors, str(path / WEIGHTS_FILE))
+        config = {EXPORT_KEY: dataclasses.asdict(self.config), "target": self.target_config.to_hf_dict()}
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        return path
+
+
+def draft_parameter_slots(block: DraftBlock) -> Iterator[tuple[str, nnx.Variable, bool]]:
+    """(reference tensor name, our parameter, whether the reference stores it transposed)."""
+    for path, param in nnx.to_flat_state(nnx.state(block, nnx.Param)):
+        *module, leaf = (str(p) for p in path)
+        if leaf == "kernel":
+            yield ".".join([*module, "weight"]), param, True
+        else:
+            yield ".".join([*module, leaf]), param, False
+
+
+def init_draft(target, seed: int = 0, *, config: DraftConfig = DraftConfig()) -> Draft:
+    """A randomly initialised float32 draft for `target` (a Target: sizes and RoPE from target.config)."""
+    return Draft(DraftBlock(target.config, config, rngs=nnx.Rngs(seed)))
+
+
+def load_draft(path: str | Path, target) -> Draft:
+    """A float32 draft for `target` from our export, a reference HF draft directory or file, or a
+    reference training .pth state dict (see the module docstring)."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"draft path {path} does not exist: pass a draft directory, .safetensors or .pth file")
+    tensors, config = _read_checkpoint(path)
+    return draft_from_tensors(tensors, target.config, config, source=str(path))
+
+
+def draft_from_tensors(
+    tensors: Mapping[str, object], target_config: ModelConfig, config: DraftConfig = DraftConfig(), *, source: str = "checkpoint"
+) -> Draft:
+    """Build the draft from tensors named as the reference (numpy, JAX or torch arrays), with or
+    without a common prefix. Shapes must fit target_config."""
+    prefix = _block_prefix(tensors, source)
+    block = nnx.eval_shape(lambda: DraftBlock(target_config, config, rngs=nnx.Rngs(0)))
+    expected_names = set()
+    for name, param, transposed in draft_parameter_slots(block):
+        full = prefix + name
+        expected_names.add(full)
+        expected = tuple(param.shape)[::-1] if transposed else tuple(param.shape)
+        if full not in tensors:
+            raise UserError(f"{source} has no tensor {full} (shape {expected}): it is not a complete LongSpec draft")
+        array = _float32_numpy(tensors[full])
+        if array.shape != expected:
+            c = target_config
+            raise UserError(
+                f"draft tensor {full} has shape {array.shape} but the target ({c.model_type}, hidden {c.hidden_size}, "
+                f"{c.num_heads}/{c.num_kv_heads} heads of {c.head_dim}, FFN {c.intermediate_size}) needs {expected}: "
+                "this draft was made for a different target; load the draft that matches the target"
+            )
+        param.set_value(jnp.asarray(array.T if transposed else array))
+    unexpected = [
+        name for name in tensors
+        if name.startswith(prefix) and name not in expected_names and ROPE_BUFFER not in name
+        and name[len(prefix):].startswith(BLOCK_PARTS) and not name[len(prefix):].startswith(UNUSED_PARTS)
+    ]
+    if unexpected:
+        raise UserError(f"{source} has tensor {unexpected[0]} which the LongSpec draft block does not have: not a LongSpec draft")
+    return Draft(block)
+
+
+def _block_prefix(tensors: Mapping[str, object], source: str) -> str:
+    prefixes = sorted({name[: -len(MARKER_TENSOR)] for name in tensors if name.endswith(MARKER_TENSOR)})
+    prefixes = [p for p in prefixes if p == "" or p.endswith(".")]
+    if not prefixes:
+        raise UserError(f"{source} holds no LongSpec draft block (no tensor named {MARKER_TENSOR}): is it a draft checkpoint?")
+    if len(prefixes) > 1:
+        raise UserError(f"{source} holds several draft blocks (prefixes {', '.join(map(repr, prefixes))}): pass a single-draft checkpoint")
+    return prefixes[0]
+
+
+def _float32_numpy(tensor) -> np.ndarray:
+    if hasattr(tensor, "detach"):  # a torch tensor; numpy has no bfloat16, so convert in torch
+        return tensor.detach().float().cpu().numpy()
+    return np.asarray(jnp.asarray(tensor, jnp.float32) if not isinstance(tensor, np.ndarray) else tensor, np.float32)
+
+
+def _read_checkpoint(path: Path) -> tuple[Mapping[str, object], DraftConfig]:
+    """(tensors by name, draft config: our export's, else the default)."""
+    from safetensors.flax import load_file
+
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return load_file(str(path)), DraftConfig()
+        if path.suffix in TORCH_SUFFIXES:
+            return _read_torch(path), DraftConfig()
+        raise UserError(f"draft file {path} is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}: pass a draft checkpoint")
+    config_path = path / CONFIG_FILE
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if EXPORT_KEY in config:
+        if not (path / WEIGHTS_FILE).is_file():
+            raise UserError(f"draft export {path} has {CONFIG_FILE} but no {WEIGHTS_FILE}: copy the whole directory")
+        return load_file(str(path / WEIGHTS_FILE)), DraftConfig(**config[EXPORT_KEY])
+    torch_files = sorted(f for f in path.iterdir() if f.suffix in TORCH_SUFFIXES)
+    if not any(path.glob("*.safetensors")) and torch_files:
+        return _read_torch(torch_files[0]), DraftConfig()
+    from longspec_jax.checkpoint_hf import read_hf_tensors
+
+    return read_hf_tensors(path), DraftConfig()
+
+
+def _read_torch(path: Path) -> Mapping[str, object]:
+    try:
+        import torch
+    except ImportError:
+        raise UserError(f"reading {path} (a PyTorch state dict) needs torch: pip install torch") from None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    # Training scripts often nest the state dict one level down.
+    for key in ("state_dict", "model", "module"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict):
+        raise UserError(f"{path} holds a {type(state).__name__}, not a state dict: save the draft's state_dict()")
+    return state
