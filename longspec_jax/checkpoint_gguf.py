@@ -19,6 +19,7 @@ import numpy as np
 
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
+from longspec_jax.gguf_cache import cached_gguf_tensors, converter_fingerprint
 from longspec_jax.rope import inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -44,11 +45,18 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(HF config dict, {HF tensor name: float32 array in HF orientation}) of a GGUF file."""
+    """(HF config dict, {HF tensor name: float32 array in HF orientation}) of a GGUF file.
+
+    Converted once per file: later calls read the result from the on-disk cache (`gguf_cache`)."""
     gguf = _gguf_package()
     path = Path(path)
     if not path.is_file():
         raise UserError(f"GGUF file {path} does not exist: pass the path of a .gguf file")
+    fingerprint = converter_fingerprint(__file__, "gguf")
+    return cached_gguf_tensors(path, lambda: _convert_gguf(gguf, path), fingerprint)
+
+
+def _convert_gguf(gguf, path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError) as e:

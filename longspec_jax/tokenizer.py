@@ -1,6 +1,7 @@
 """Tokenizers through transformers: from an HF checkpoint directory or from a GGUF's metadata.
 
-Everything is read locally (`local_files_only`), so HF_HUB_OFFLINE=1 works and nothing is cached.
+Everything is read locally (`local_files_only`), so HF_HUB_OFFLINE=1 works. A GGUF's tokenizer is
+converted once per file and then read from the on-disk cache (`gguf_cache`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from longspec_jax.errors import UserError
+from longspec_jax.gguf_cache import cached_gguf_tokenizer, converter_fingerprint
 
 
 def load_tokenizer(path: str | Path):
@@ -16,11 +18,8 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
-        _fix_gguf_special_tokens(tokenizer)
-        return tokenizer
+        fingerprint = converter_fingerprint(__file__, "transformers", "tokenizers")
+        return cached_gguf_tokenizer(path, lambda: _convert_gguf_tokenizer(path), fingerprint)
     if path.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -29,6 +28,14 @@ def load_tokenizer(path: str | Path):
                 f"no usable tokenizer in {path} ({e}): copy tokenizer.json / tokenizer_config.json there"
             ) from e
     raise UserError(f"tokenizer path {path} is neither an HF checkpoint directory nor a .gguf file")
+
+
+def _convert_gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    _fix_gguf_special_tokens(tokenizer)
+    return tokenizer
 
 
 def _fix_gguf_special_tokens(tokenizer) -> None:
