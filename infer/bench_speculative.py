@@ -1,0 +1,183 @@
+"""Per-round cost of LongSpec speculative decoding on 7B-shaped random-weight targets (GPU).
+
+    python -m infer.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
+    python -m infer.bench_speculative --small            # tiny config on CPU: a smoke test of this script
+
+For each target shape and context S (tokens already in the target cache, zeros: attention and
+matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
+  - round: `speculative.spec_decode` (the on-device while_loop `generate` uses) over --rounds
+    rounds, per round;
+  - draft / verify / accept: the round's three parts, each its own jitted program
+    (`speculative.profile_round`): the paper's Table 5 analogue;
+  - AR: `generation.ar_decode` per step at the same context.
+Random weights accept almost nothing, so tokens per round are not measured here; the table gives
+the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
+targets): AR ms/token / (round ms / tau). Round cost does not depend on acceptance (static shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longspec_jax.config import ModelConfig
+from longspec_jax.draft import DraftConfig
+from longspec_jax.draft_io import init_draft
+from longspec_jax.generation import StopRule, ar_decode, ar_start, bucket_length, cache_bytes, compiled, timed
+from longspec_jax.model import init_cache
+from longspec_jax.sampling import SamplingParams
+from longspec_jax.speculative import LoopConfig, drafter_for, profile_round, spec_decode, spec_start
+from longspec_jax.target import random_target
+from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
+
+SHAPES = {
+    "vicuna7b": ModelConfig(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+        num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
+    ),
+    "llama3_8b": ModelConfig(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=131072,
+    ),
+    "tiny": ModelConfig(
+        model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+    ),
+}
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    context: int
+    round_ms: float = float("nan")
+    draft_ms: float = float("nan")
+    verify_ms: float = float("nan")
+    accept_ms: float = float("nan")
+    ar_ms: float = float("nan")
+    draft_cache_mib: float = float("nan")
+    error: str = ""
+
+
+def longspec_state(target, graphdef, params, drafter, draft_params, *, context, batch, widths, config, sampling, stop):
+    """The loop's state with `context` tokens in the target cache (as after a prefill of that many)."""
+    cache = init_cache(target.config, batch, context + config.new_bucket + num_nodes(widths), target.dtype)
+    prompt = jnp.zeros((batch, context), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
+    last_logits = jnp.zeros((batch, target.config.vocab_size), jnp.float32)
+    args = (params, draft_params, cache, prompt, lengths, last_logits, sampling, jax.random.key(0), stop)
+    start, _ = compiled(spec_start, *args, graphdef=graphdef, drafter=drafter, config=config)
+    return start(*args)
+
+
+def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl):
+    """(ms per round in the loop, {draft_ms, verify_ms, accept_ms}, draft state bytes)."""
+    sampling = SamplingParams.create(0.0)
+    stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
+    config = LoopConfig(mode="longspec", tree_widths=widths, new_bucket=bucket_length((rounds + 1) * (len(widths) + 1)), attn_impl=impl)
+    drafter, draft_params = drafter_for(draft, widths)
+    make = lambda: longspec_state(
+        target, graphdef, params, drafter, draft_params, context=context, batch=batch, widths=widths,
+        config=config, sampling=sampling, stop=stop,
+    )
+    stop_at = jnp.asarray(rounds, jnp.int32)
+    state = make()
+    decode, _ = compiled(spec_decode, params, draft_params, state, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config)
+    per_round = []
+    for _ in range(repeats + 1):  # the first run warms up
+        state, seconds = timed(decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
+        per_round.append(seconds / rounds)
+        del state
+    state = make()
+    parts = profile_round(graphdef, params, drafter, draft_params, state, sampling, config, repeats=repeats)
+    return 1e3 * statistics.median(per_round[1:]), parts, cache_bytes(state.draft_state)
+
+
+def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
+    """ms per AR step inside the device loop."""
+    sampling = SamplingParams.create(0.0)
+    new_bucket = bucket_length(steps + 2)
+    stop = StopRule.create((), 2**30)
+    last_logits = jnp.zeros((batch, target.config.vocab_size), jnp.float32)
+    key = jax.random.key(0)
+    start, _ = compiled(ar_start, last_logits, sampling, key, stop, new_bucket=new_bucket)
+    cache = init_cache(target.config, batch, context + new_bucket, target.dtype)
+    stop_at = jnp.asarray(1 + steps, jnp.int32)
+    state = start(last_logits, sampling, key, stop)
+    decode, _ = compiled(ar_decode, params, cache, state, stop_at, sampling, graphdef=graphdef, attn_impl=impl)
+    per_step = []
+    for _ in range(repeats + 1):
+        fresh = start(last_logits, sampling, key, stop)
+        (cache, _), seconds = timed(decode, params, cache.replace(lengths=jnp.full((batch,), context, jnp.int32)), fresh, stop_at, sampling)
+        per_step.append(seconds / steps)
+    return 1e3 * statistics.median(per_step[1:])
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    p = argparse.ArgumentParser(prog="python -m infer.bench_speculative", description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny config on CPU (smoke test)")
+    p.add_argument("--shapes", help=f"comma-separated target shapes of {sorted(SHAPES)} (default vicuna7b,llama3_8b)")
+    p.add_argument("--contexts", help="comma-separated contexts (default 4096,16384,32768,65536; --small 64,256)")
+    p.add_argument("--tree-widths", default=",".join(map(str, DEFAULT_WIDTHS)))
+    p.add_argument("--impl", default="xla", help="attention implementation for target and draft")
+    p.add_argument("--rounds", type=int, help="rounds (and AR steps) per timing (default 32; --small 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tau", type=float, default=3.5, help="tokens per round assumed for the projected speedup")
+    args = p.parse_args(argv)
+    shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
+    contexts = [int(c) for c in (args.contexts or ("64,256" if args.small else "4096,16384,32768,65536")).split(",")]
+    widths = tuple(int(w) for w in args.tree_widths.split(","))
+    rounds = args.rounds or (3 if args.small else 32)
+    dtype = "float32" if args.small else "bfloat16"
+
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}")
+    rows = []
+    for shape in shapes:
+        t0 = time.perf_counter()
+        target = random_target(SHAPES[shape], dtype=dtype)
+        draft = init_draft(target, seed=1, config=DraftConfig()).cast(target.dtype)
+        graphdef, params = nnx.split(target.model)
+        jax.block_until_ready(params)
+        print(f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
+              f"(random, built in {time.perf_counter() - t0:.0f} s)")
+        for context in contexts:
+            row = Row(shape, context)
+            try:
+                row.round_ms, parts, draft_bytes = bench_longspec(
+                    target, graphdef, params, draft, context=context, batch=args.batch, widths=widths,
+                    rounds=rounds, repeats=args.repeats, impl=args.impl,
+                )
+                row.draft_ms, row.verify_ms, row.accept_ms = parts["draft_ms"], parts["verify_ms"], parts["accept_ms"]
+                row.draft_cache_mib = draft_bytes / 2**20
+                row.ar_ms = bench_ar(target, graphdef, params, context=context, batch=args.batch, steps=rounds, repeats=args.repeats, impl=args.impl)
+            except Exception as e:  # out of memory at a long context is a row, not a crash
+                row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            rows.append(row)
+            print(row, flush=True)
+        del target, draft, params
+
+    print(f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
+          f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured.")
+    print(f"{'shape':<11}{'context':>8}{'round ms':>10}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
+          f"{'proj. x':>9}{'draft MiB':>11}")
+    for r in rows:
+        if r.error:
+            print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
+            continue
+        print(f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
+              f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Accepting a verified draft tree: exact greedy and exact sampling (SPEC.md 5.5-5.6).
+
+Both rules are one walk from the root: at the current node pick a token x from the target's
+distribution there (argmax for greedy, a sample for sampling); if a child carries x, move to it and
+repeat, otherwise x is the bonus token and the round stops. Children of one node carry distinct
+tokens (tree.py guarantees it), so "the child with token x" is unique. Every emitted token is
+therefore the target's own pick given everything emitted before it: greedy output equals
+target-only greedy decoding, and sampled output is exactly distributed as target-only sampling,
+whatever the draft proposed. (The reference code's rule, accepting a child with probability
+min(1, p_target / p_draft), is only valid for candidates *sampled* from the draft; beam candidates
+are deterministic, which biases it.)
+
+Outputs (D = tree depth, static):
+  path:      int32[B, D+1]  flat node indices walked: the root, then each accepted node; 0 past the end.
+  n_emitted: int32[B]       tokens emitted this round = accepted draft tokens + 1 (the bonus), which
+                            is also the number of valid `path` entries (root + accepted nodes), i.e.
+                            the `n_accept` of model.commit(cache, path, n_emitted).
+  emitted:   int32[B, D+1]  the accepted draft tokens in order, then the bonus; 0 past n_emitted.
+  bonus:     int32[B]       the last emitted token: the next round's root.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from longspec_jax.tree import Tree
+
+
+@struct.dataclass
+class Acceptance:
+    path: jax.Array
+    n_emitted: jax.Array
+    emitted: jax.Array
+    bonus: jax.Array
+
+
+def _walk(tree: Tree, pick: Callable[[int, jax.Array], jax.Array]) -> Acceptance:
+    """Walk down the tree; pick(step, node int32[B]) -> token int32[B] is the target's choice at node."""
+    b, _ = tree.tokens.shape
+    steps = tree.depth + 1  # at most D moves, then the bonus pick at a depth-D leaf
+
+    def body(step, carry):
+        node, done, n_emitted, path, emitted, bonus = carry
+        x = pick(step, node)
+        is_child = (tree.parents == node[:, None]) & (tree.tokens == x[:, None])  # [B, N], <= 1 True per row
+        moved = is_child.any(axis=1) & ~done
+        child = jnp.argmax(is_child, axis=1).astype(jnp.int32)
+        emitted = emitted.at[:, step].set(jnp.where(done, 0, x))
+        path = path.at[:, step + 1].set(jnp.where(moved, child, 0), mode="drop")
+        stops = ~done & ~moved
+        bonus = jnp.where(stops, x, bonus)
+        n_emitted = n_emitted + (~done).astype(jnp.int32)
+        return jnp.where(moved, child, node), done | stops, n_emitted, path, emitted, bonus
+
+    zeros_b = jnp.zeros((b,), jnp.int32)
+    init = (
+        zeros_b,
+        jnp.zeros((b,), bool),
+        zeros_b,
+        jnp.zeros((b, steps), jnp.int32),
+        jnp.zeros((b, steps), jnp.int32),
+        zeros_b,
+    )
+    _, _, n_emitted, path, emitted, bonus = jax.lax.fori_loop(0, steps, body, init)
+    return Acceptance(path=path, n_emitted=n_emitted, emitted=emitted, bonus=bonus)
+
+
+def _at_node(values: jax.Array, node: jax.Array) -> jax.Array:
+    """values [B, N, ...] -> values[b, node[b]]."""
+    return jnp.take_along_axis(values, node.reshape((-1, 1) + (1,) * (values.ndim - 2)), axis=1)[:, 0]
+
+
+def accept_greedy(tree: Tree, target_logits: jax.Array) -> Acceptance:
+    """Greedy acceptance: target_logits float[B, N, V] at every flat node of `tree`.
+
+    The accepted path is the deepest one whose every token equals the target's argmax at its parent.
+    """
+    target_picks = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
+    return _walk(tree, lambda step, node: _at_node(target_picks, node))
+
+
+def accept_sampling(tree: Tree, target_log_probs: jax.Array, key: jax.Array) -> Acceptance:
+    """Exact sampling acceptance: target_log_probs float[B, N, V] at every flat node, already
+    filtered (temperature / top-k / top-p: sampling.py), and a PRNG key used once per round.
+    """
+
+    def pick(step, node):
+        return jax.random.categorical(jax.random.fold_in(key, step), _at_node(target_log_probs, node)).astype(jnp.int32)
+
+    return _walk(tree, pick)

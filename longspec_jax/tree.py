@@ -1,0 +1,184 @@
+"""Dynamic beam search draft trees with static shapes (SPEC.md 5.2-5.3).
+
+A tree of widths W = (W[0], ..., W[D-1]) has depth D and N = 1 + sum(W) flat nodes in breadth-first
+order: index 0 is the root (the last token the target emitted, not yet in its cache), then the
+W[0] depth-1 nodes, then the W[1] depth-2 nodes, ... Every level is always full: level d + 1 is the
+global top-W[d] of (node at level d, token) by cumulative draft log-prob, so a node with no child
+simply stays a leaf and nothing moves. Because the candidates are distinct (node, token) pairs, the
+children of one node always carry distinct tokens, which the acceptance rules rely on.
+
+The speculative loop builds a tree level by level (the draft runs between levels):
+    tree = init_tree(root_tokens, root_log_probs, widths)
+    for depth in range(1, len(widths)):
+        tokens, positions, mask = level_block(tree, depth, root_positions)
+        log_probs = <draft forward of that block>        # [B, W[depth-1], V]
+        tree = expand_level(tree, depth, log_probs)
+`depth` is a static Python int: levels have different widths, so the loop is unrolled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from longspec_jax.errors import UserError
+
+DEFAULT_WIDTHS = (4, 16, 16, 16, 16)
+# The verification kernel takes the whole tree (root included) as one block of at most this many rows.
+MAX_TREE_NODES = 128
+
+
+@struct.dataclass
+class Tree:
+    """A draft tree over N = 1 + sum(widths) flat nodes (batch first).
+
+    tokens:  int32[B, N]    token of each node (row 0 is the root).
+    parents: int32[B, N]    flat index of each node's parent; -1 for the root.
+    scores:  float32[B, N]  cumulative draft log-prob from the root (root 0).
+    mask:    bool[B, N, N]  mask[b, i, j]: node j is node i or one of its ancestors.
+    widths:  static tuple of level widths.
+    Nodes of levels not built yet hold token 0, parent -1, score -inf and an all-False mask row.
+    """
+
+    tokens: jax.Array
+    parents: jax.Array
+    scores: jax.Array
+    mask: jax.Array
+    widths: tuple[int, ...] = struct.field(pytree_node=False)
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def depths(self) -> np.ndarray:
+        return node_depths(self.widths)
+
+
+def validate_widths(widths, vocab_size: int) -> tuple[int, ...]:
+    """Check tree widths against the vocabulary and the kernel's block limit; return them as a tuple."""
+    try:
+        widths = tuple(int(w) for w in widths)
+    except (TypeError, ValueError):
+        raise UserError(f"tree widths must be a sequence of integers like 4,16,16,16,16, got {widths!r}") from None
+    if not widths:
+        raise UserError("tree widths must name at least one level (depth >= 1), e.g. 4,16,16,16,16")
+    if min(widths) < 1:
+        raise UserError(f"every tree width must be >= 1, got {widths}")
+    fan_in = (1,) + widths[:-1]
+    for d, (w, parents) in enumerate(zip(widths, fan_in)):
+        if w > parents * vocab_size:
+            raise UserError(
+                f"tree width {w} at level {d + 1} exceeds the {parents} x {vocab_size} candidates "
+                f"(previous width x vocabulary size); use a smaller width"
+            )
+    if num_nodes(widths) > MAX_TREE_NODES:
+        raise UserError(
+            f"tree widths {widths} make {num_nodes(widths)} nodes with the root; the verification kernel "
+            f"takes at most {MAX_TREE_NODES}: use smaller widths or fewer levels"
+        )
+    return widths
+
+
+def num_nodes(widths) -> int:
+    """N = 1 + sum(widths): root plus every draft node."""
+    return 1 + sum(widths)
+
+
+def level_slice(widths, depth: int) -> tuple[int, int]:
+    """Flat index range [start, end) of the nodes at `depth` (0 = the root alone)."""
+    if depth == 0:
+        return 0, 1
+    start = 1 + sum(widths[: depth - 1])
+    return start, start + widths[depth - 1]
+
+
+def node_depths(widths) -> np.ndarray:
+    """int32[N]: depth of every flat node (root 0)."""
+    return np.repeat(np.arange(len(widths) + 1), (1,) + tuple(widths)).astype(np.int32)
+
+
+def _empty_tree(root_tokens: jax.Array, widths: tuple[int, ...]) -> Tree:
+    b = root_tokens.shape[0]
+    n = num_nodes(widths)
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root_tokens.astype(jnp.int32))
+    scores = jnp.full((b, n), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    mask = jnp.zeros((b, n, n), bool).at[:, 0, 0].set(True)
+    return Tree(tokens=tokens, parents=jnp.full((b, n), -1, jnp.int32), scores=scores, mask=mask, widths=widths)
+
+
+def _add_level(tree: Tree, depth: int, parents: jax.Array, tokens: jax.Array, scores: jax.Array) -> Tree:
+    """Write level `depth` (parents, tokens, scores: [B, W[depth-1]]); each mask row = parent's row + itself."""
+    start, end = level_slice(tree.widths, depth)
+    b, n = tree.tokens.shape
+    parent_rows = jnp.take_along_axis(tree.mask, parents[:, :, None], axis=1)  # [B, w, N]
+    self_cols = jnp.arange(n)[None, None, :] == jnp.arange(start, end)[None, :, None]
+    return tree.replace(
+        tokens=tree.tokens.at[:, start:end].set(tokens.astype(jnp.int32)),
+        parents=tree.parents.at[:, start:end].set(parents.astype(jnp.int32)),
+        scores=tree.scores.at[:, start:end].set(scores),
+        mask=tree.mask.at[:, start:end, :].set(parent_rows | self_cols),
+    )
+
+
+def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_WIDTHS) -> Tree:
+    """Start a tree: root_tokens int32[B], the draft's log-probs at the root float32[B, V].
+
+    Level 1 = the top-W[0] tokens at the root, scored by their log-probs. `widths` is static and
+    should have passed `validate_widths`.
+    """
+    widths = tuple(widths)
+    tree = _empty_tree(root_tokens, widths)
+    scores, tokens = jax.lax.top_k(root_log_probs.astype(jnp.float32), widths[0])
+    parents = jnp.zeros_like(tokens)
+    return _add_level(tree, 1, parents, tokens, scores)
+
+
+def expand_level(tree: Tree, depth: int, log_probs: jax.Array) -> Tree:
+    """Add level depth + 1 from the draft's log-probs at the level-`depth` nodes, float32[B, W[depth-1], V].
+
+    Every (node, token) is scored by node score + token log-prob; the global top-W[depth] become the
+    children. Done in two stages (per-node top-W[depth], then global) to keep the sort small: the
+    global winners are always among their node's own top-W[depth].
+    """
+    widths = tree.widths
+    if not 1 <= depth < len(widths):
+        raise ValueError(f"expand_level depth must be in 1..{len(widths) - 1}, got {depth}")
+    start, end = level_slice(widths, depth)
+    b, w, v = log_probs.shape
+    k = min(widths[depth], v)
+    node_best, node_tokens = jax.lax.top_k(log_probs.astype(jnp.float32), k)  # [B, w, k]
+    candidates = (tree.scores[:, start:end, None] + node_best).reshape(b, w * k)
+    scores, flat = jax.lax.top_k(candidates, widths[depth])
+    parents = start + flat // k
+    tokens = jnp.take_along_axis(node_tokens.reshape(b, w * k), flat, axis=1)
+    return _add_level(tree, depth + 1, parents, tokens, scores)
+
+
+def level_block(tree: Tree, depth: int, root_positions: jax.Array):
+    """The block the draft feeds at tree level `depth` (1..D-1).
+
+    Returns tokens int32[B, w], positions int32[B, w] (= root position + depth) and
+    mask bool[B, w, end]: which of the flat nodes [0, end) (root, then every node built so far, this
+    level last) each level node attends to. Column 0 is the root (always True); a draft that already
+    holds the root in its own cache drops it with mask[:, :, 1:].
+    """
+    start, end = level_slice(tree.widths, depth)
+    tokens = tree.tokens[:, start:end]
+    positions = jnp.broadcast_to(root_positions.astype(jnp.int32)[:, None] + depth, tokens.shape)
+    return tokens, positions, tree.mask[:, start:end, :end]
+
+
+def chain_tree(root_tokens: jax.Array, chain: jax.Array) -> Tree:
+    """A single chain root -> chain[:, 0] -> ... -> chain[:, K-1] (widths (1,) * K), as used by PLD."""
+    b, k = chain.shape
+    tree = _empty_tree(root_tokens, (1,) * k)
+    n = k + 1
+    return tree.replace(
+        tokens=tree.tokens.at[:, 1:].set(chain.astype(jnp.int32)),
+        parents=jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, n)),
+        scores=jnp.zeros((b, n), jnp.float32),
+        mask=jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
+    )

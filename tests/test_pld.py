@@ -1,0 +1,54 @@
+import jax
+import numpy as np
+import pytest
+
+from longspec_jax.pld import propose_chain
+
+
+def reference_chain(seq, num_tokens, max_ngram, min_ngram):
+    """numpy: the tokens after the most recent earlier occurrence of the longest matching suffix n-gram."""
+    length = len(seq)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length < n + 1:
+            continue
+        suffix = list(seq[length - n :])
+        for start in range(length - n - 1, -1, -1):
+            if list(seq[start : start + n]) == suffix:
+                follow = list(seq[start + n : start + n + num_tokens])
+                return follow + [0] * (num_tokens - len(follow)), len(follow)
+    return [0] * num_tokens, 0
+
+
+propose = jax.jit(propose_chain, static_argnames=("num_tokens", "max_ngram", "min_ngram"))
+
+
+@pytest.mark.parametrize("vocab,num_tokens,max_ngram,min_ngram", [(3, 4, 3, 1), (5, 3, 3, 2), (50, 5, 2, 1)])
+def test_matches_numpy_reference_on_random_histories(vocab, num_tokens, max_ngram, min_ngram):
+    rng = np.random.default_rng(vocab)
+    batch, seq = 32, 24
+    history = rng.integers(0, vocab, size=(batch, seq))  # tokens past each length are garbage on purpose
+    lengths = rng.integers(1, seq + 1, size=batch)
+    chain, n_found = propose(history, lengths, num_tokens=num_tokens, max_ngram=max_ngram, min_ngram=min_ngram)
+    found = []
+    for b in range(batch):
+        expected, count = reference_chain(history[b, : lengths[b]], num_tokens, max_ngram, min_ngram)
+        np.testing.assert_array_equal(chain[b], expected)
+        assert int(n_found[b]) == count
+        found.append(count)
+    assert 0 in found and num_tokens in found  # both not-found and full proposals occur
+
+
+def test_longest_ngram_wins_over_a_more_recent_shorter_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [[7, 8, 9, 1, 2, 5, 9, 3, 8, 9]]
+    chain, n_found = propose(np.array(history), np.array([10]), num_tokens=3, max_ngram=2, min_ngram=1)
+    # "8 9" occurs at 1..2 (followed by 1 2 5); "9" alone last occurred at 6 (followed by 3).
+    np.testing.assert_array_equal(chain, [[1, 2, 5]])
+    assert int(n_found[0]) == 3
+
+
+def test_no_match_and_truncated_continuation():
+    history = np.array([[1, 2, 3, 4, 0, 0], [4, 6, 4, 0, 0, 0]])
+    chain, n_found = propose(history, np.array([4, 3]), num_tokens=3, max_ngram=2, min_ngram=1)
+    np.testing.assert_array_equal(chain, [[0, 0, 0], [6, 4, 0]])
+    np.testing.assert_array_equal(n_found, [0, 2])

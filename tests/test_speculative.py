@@ -1,0 +1,318 @@
+"""The speculative loop (speculative.py) end to end on tiny random float32 targets.
+
+Greedy: every mode must reproduce AR token for token. Sampling: the joint distribution of the first
+three tokens over a large batch of one prompt must match the target's exact distribution.
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from longspec_jax.draft import DraftConfig, draft_hidden
+from longspec_jax.draft_io import init_draft
+from longspec_jax.errors import UserError
+from longspec_jax.generation import SMALL_BUCKETS_UP_TO, DecodeRequest, Generator, StopRule, cache_bytes, compiled, generate, prefill
+from longspec_jax.model import init_cache
+from longspec_jax.sampling import SamplingParams, filtered_log_probs
+from longspec_jax.speculative import LoopConfig, drafter_for, propose_longspec, run_with_drafter, spec_decode, spec_start
+from longspec_jax.target import random_target
+from longspec_jax.tree import node_depths
+from tests.tiny_models import tiny_config
+
+WIDTHS = (3, 4, 4)  # small tree: depth 3, 12 nodes + root
+
+
+def sharpened_target(seed=0, **config):
+    """A tiny random target with matrices scaled to std ~0.2: O(1) logits, no near-ties in argmax."""
+    target = random_target(tiny_config(**config), seed=seed, dtype="float32")
+    _, params = nnx.split(target.model)
+    nnx.update(target.model, jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, params))
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpened_target(vocab_size=48, eos_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 48, size=13).tolist(), rng.integers(0, 48, size=6).tolist()]
+
+
+MAX_NEW = 16  # every test stays in one output bucket, so the compiled programs are shared
+
+
+def ar(target, prompts, max_new=MAX_NEW):
+    return generate(target, prompts, mode="ar", max_new_tokens=max_new, eos_token_ids=()).tokens
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """AR greedy output of `prompts`, MAX_NEW tokens each: shorter runs are its prefixes."""
+    return ar(target, prompts)
+
+
+def cut_at(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """A stand-in draft that knows the greedy continuation (its parameters: int32[B, S], each
+    prompt followed by its AR output) and predicts the token at position p + 1 for a query at
+    p, except for a fixed pseudo-random ~15% of (position, token) pairs where it guesses wrong.
+    Off-path tree nodes get the same guess, which is simply wrong there, as a real draft would be."""
+
+    vocab: int
+    tree_slots: int = sum(WIDTHS[:-1])  # the loop sizes the slot masks it passes by this
+
+    def init_state(self, params, batch):
+        return jnp.zeros((batch, 1), jnp.int32)
+
+    def prefill(self, params, target_model, state, tokens, lengths):
+        return state
+
+    def step(self, params, target_model, state, tokens, positions, valid, target_k, target_v, cross_len, tree_mask, *, commit, slot_mask=None, tree_offset=0, attn_impl="xla"):
+        right = jnp.take_along_axis(params, jnp.clip(positions + 1, 0, params.shape[1] - 1), axis=1)
+        wrong = (positions * 7919 + tokens * 104729) % 100 < 15
+        guess = jnp.where(wrong, (right + 1) % self.vocab, right)
+        logits = 6.0 * jax.nn.one_hot(guess, self.vocab) + 0.1 * jax.nn.one_hot((guess + 2) % self.vocab, self.vocab)
+        return logits, state
+
+
+def oracle_generate(target, prompts, reference, max_new, eos=()):
+    """Greedy longspec with the oracle drafter."""
+    known = np.zeros((len(prompts), max(map(len, prompts)) + MAX_NEW), np.int32)
+    for b, (p, out) in enumerate(zip(prompts, reference)):
+        known[b, : len(p) + len(out)] = p + out
+    generator = Generator(target, mode="longspec", attn_impl="xla")
+    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=tuple(eos))
+    return run_with_drafter(generator, prompts, request, WIDTHS, OracleDrafter(target.config.vocab_size), jnp.asarray(known))
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    """A random draft with a ring of 8 slots (prompts wrap it) and O(1) logits (matrices x10)."""
+    draft = init_draft(target, seed=1, config=DraftConfig(window=8))
+    _, draft_vars = nnx.split(draft.block)
+    nnx.update(draft.block, jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, draft_vars))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def random_draft_result(target, prompts, draft):
+    return generate(target, prompts, mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=10, eos_token_ids=())
+
+
+def test_longspec_greedy_with_random_draft_equals_ar(random_draft_result, reference):
+    assert random_draft_result.tokens == [r[:10] for r in reference]
+    assert random_draft_result.stats.rounds >= 1 and random_draft_result.stats.tau >= 1.0
+
+
+def test_streaming_runs_the_same_loop_in_chunks(target, prompts, draft, random_draft_result):
+    chunks = []
+    result = generate(
+        target, prompts, mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=10, eos_token_ids=(),
+        stream=chunks.append, stream_every=len(WIDTHS) + 1,  # one round per chunk
+    )
+    assert result.tokens == random_draft_result.tokens
+    assert len(chunks) == result.stats.rounds and chunks[-1] == result.tokens
+    for earlier, later in zip(chunks, chunks[1:]):
+        assert all(later_seq[: len(seq)] == seq for seq, later_seq in zip(earlier, later))
+
+
+def test_longspec_greedy_with_oracle_draft_equals_ar_with_long_paths(target, prompts, reference):
+    result = oracle_generate(target, prompts, reference, MAX_NEW)
+    assert result.tokens == reference
+    assert result.stats.tau > 2.0  # long accepted paths really happened
+    assert result.stats.rounds < MAX_NEW // 2
+
+
+def test_longspec_eos_inside_an_accepted_path(target, prompts, reference):
+    eos = reference[0][7]  # mid-way through sequence 0, inside a round when paths are long
+    result = oracle_generate(target, prompts, reference, MAX_NEW, eos=(eos,))
+    expected = [cut_at(r, eos) for r in reference]
+    assert result.tokens == expected
+    assert expected[0][-1] == eos and len(expected[0]) <= 8
+
+
+@pytest.mark.parametrize("max_new", [2, 6, 9])
+def test_longspec_max_new_tokens_is_exact(target, prompts, reference, max_new):
+    result = oracle_generate(target, prompts, reference, max_new)
+    assert result.tokens == [r[:max_new] for r in reference]
+
+
+def test_pld_greedy_equals_ar(target, prompts):
+    # The first prompt is followed by the target's own earlier output, so some lookups hit.
+    seed = [3, 17, 29, 4, 40]
+    batch = [seed + ar(target, [seed], 11)[0], prompts[1]]
+    result = generate(target, batch, mode="pld", tree_widths=(1,) * 5, max_new_tokens=12, eos_token_ids=())
+    assert result.tokens == [r[:12] for r in ar(target, batch)]
+    assert result.stats.tau > 1.0  # some candidates were accepted
+    assert result.stats.draft_cache_bytes == 0
+
+
+def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_draft_result):
+    """The loop's initial state for a 100-token and a 4000-token prompt (shapes only, eval_shape),
+    and the bytes a real run reports."""
+    drafter, draft_params = drafter_for(draft, WIDTHS)
+    graphdef, params = nnx.split(target.model)
+    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+
+    def state_bytes(prompt_len):
+        bucket = -(-prompt_len // SMALL_BUCKETS_UP_TO) * SMALL_BUCKETS_UP_TO
+        cache = jax.eval_shape(lambda: init_cache(target.config, 2, bucket + MAX_NEW + 13, jnp.float32))
+        start = functools.partial(spec_start, graphdef=graphdef, drafter=drafter, config=config)
+        state = jax.eval_shape(
+            start, params, draft_params, cache, jax.ShapeDtypeStruct((2, bucket), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, target.config.vocab_size), jnp.float32),
+            SamplingParams.create(), jax.random.key(0), StopRule.create((), MAX_NEW),
+        )
+        return cache_bytes(state.draft_state), cache_bytes(state.cache)
+
+    short_draft, short_target = state_bytes(100)
+    long_draft, long_target = state_bytes(4000)
+    assert short_draft == long_draft > 0
+    assert long_target > 10 * short_target  # the prompt length did reach the shapes
+    assert random_draft_result.stats.draft_cache_bytes == short_draft
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+SAMPLE_VOCAB = 4
+SAMPLES = 4000
+
+
+def exact_first_three(target, prompt, sampling):
+    """numpy: the exact joint distribution [V, V, V] of the first three sampled tokens."""
+    v = SAMPLE_VOCAB
+    seqs = [prompt + list(c) for c in itertools.product(range(v), repeat=2)]
+    logits = np.asarray(target.forward_logits(jnp.asarray(seqs)))  # [V*V, L+2, V]
+    probs = lambda x: np.exp(np.asarray(filtered_log_probs(jnp.asarray(x), sampling)))
+    n = len(prompt)
+    p1 = probs(logits[0, n - 1])
+    p2 = probs(logits[:, n].reshape(v, v, v)[:, 0])  # [x1, x2]: the row of any (x1, *) sequence
+    p3 = probs(logits[:, n + 1].reshape(v, v, v))  # [x1, x2, x3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p):
+    target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
+    draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
+    prompt = [1, 3, 0, 2, 2]
+    result = generate(
+        target, [prompt] * SAMPLES, mode="longspec", draft=draft, tree_widths=(2, 2), max_new_tokens=3,
+        temperature=temperature, top_p=top_p, seed=7, eos_token_ids=(),
+    )
+    sampling = SamplingParams.create(temperature=temperature, top_p=top_p)
+    expected = exact_first_three(target, prompt, sampling).reshape(-1) * SAMPLES
+    tokens = np.asarray(result.tokens)
+    observed = np.bincount((tokens[:, 0] * SAMPLE_VOCAB + tokens[:, 1]) * SAMPLE_VOCAB + tokens[:, 2], minlength=SAMPLE_VOCAB**3)
+    assert observed[expected == 0].sum() == 0
+    # Cells expected below 5 are pooled into one (chi-square needs it), if there are any.
+    big = expected >= 5
+    small = ~big & (expected > 0)
+    obs = np.append(observed[big], observed[small].sum() if small.any() else []).astype(np.float64)
+    exp = np.append(expected[big], expected[small].sum() if small.any() else []).astype(np.float64)
+    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+    assert result.stats.tau > 1.2  # the draft's tree nodes were really accepted
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_user_errors(target):
+    draft = init_draft(target, seed=1)
+    with pytest.raises(UserError, match="exceeds"):
+        generate(target, [1, 2], mode="longspec", draft=draft, tree_widths=(64, 2), max_new_tokens=2)
+    with pytest.raises(UserError, match="at most 128"):
+        generate(target, [1, 2], mode="longspec", draft=draft, tree_widths=(16,) * 9, max_new_tokens=2)
+    with pytest.raises(UserError, match="all be 1"):
+        generate(target, [1, 2], mode="pld", tree_widths=(1, 2), max_new_tokens=2)
+    with pytest.raises(UserError, match="needs a draft"):
+        generate(target, [1, 2], mode="longspec", max_new_tokens=2)
+    other = random_target(tiny_config(hidden_size=32, vocab_size=48), seed=0)
+    with pytest.raises(UserError, match="different target"):
+        generate(target, [1, 2], mode="longspec", draft=init_draft(other), max_new_tokens=2)
+
+
+# --- the draft's wiring inside a round -----------------------------------------------------------
+
+
+def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prompts, draft, random_draft_result):
+    """After two rounds (ring of 8 slots already wrapped, per-sequence lengths), every tree node's
+    cumulative draft log-prob == the sum along its chain of the draft's full-sequence forward, where
+    the query at tree depth d sees the target prefix [0, root position), i.e. flash-noisy lag d + 1.
+    (The programs are the ones `random_draft_result` compiled: same shapes and statics.)"""
+    graphdef, params = nnx.split(target.model)
+    drafter, draft_params = drafter_for(draft, WIDTHS)
+    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    statics = dict(graphdef=graphdef, drafter=drafter, config=config)
+    sampling = SamplingParams.create()
+    tokens = np.zeros((2, 16), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+    run_prefill, _ = compiled(prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla")
+    last_logits, cache = run_prefill(params, tokens, lengths)
+    start_args = (params, draft_params, cache, tokens, lengths, last_logits, sampling, jax.random.key(0), StopRule.create((), MAX_NEW))
+    start, _ = compiled(spec_start, *start_args, **statics)
+    state = start(*start_args)
+    stop_at = jnp.asarray(2, jnp.int32)
+    decode, _ = compiled(spec_decode, params, draft_params, state, stop_at, sampling, **statics)
+    state = decode(params, draft_params, state, stop_at, sampling)
+    propose = jax.jit(lambda p, dp, s: propose_longspec(drafter, dp, nnx.merge(graphdef, p), s, config))
+    tree, _ = propose(params, draft_params, state)
+
+    assert int(state.rounds) == 2 and int(state.cache.lengths.max()) > 8  # the ring has wrapped
+    depths = node_depths(WIDTHS)
+    _, draft_vars = nnx.split(draft.block)
+    for b in range(2):
+        root_pos = int(state.cache.lengths[b])
+        prefix = [int(t) for t in state.history[b, : root_pos + 1]]
+        node_tokens, parents = np.asarray(tree.tokens[b]), np.asarray(tree.parents[b])
+
+        def chain(i):
+            out = []
+            while i > 0:
+                out.append(int(node_tokens[i]))
+                i = parents[i]
+            return prefix + out[::-1]
+
+        expected = np.zeros(len(node_tokens))
+        for parent in range(len(node_tokens)):
+            children = np.flatnonzero(parents == parent)
+            if not len(children):
+                continue
+            seq = chain(parent)
+            log_probs = chain_log_probs(
+                graphdef, nnx.graphdef(draft.block), params, draft_vars,
+                jnp.asarray([seq + [0] * (CHAIN_LEN - len(seq))], jnp.int32), len(seq) - 1, int(depths[parent]) + 1,
+            )
+            expected[children] = expected[parent] + np.asarray(log_probs)[node_tokens[children]]
+        assert np.ptp(expected[1:]) > 1.0  # confident, distinct scores: a wiring slip would show
+        np.testing.assert_allclose(np.asarray(tree.scores[b]), expected, atol=2e-3, rtol=1e-4)
+
+
+CHAIN_LEN = 48  # chains are right-padded to one length (every forward here is causal) to compile once
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def chain_log_probs(target_graphdef, draft_graphdef, target_params, draft_params, seq, last, lag):
+    """The draft's log-probs float32[V] at position `last` of seq int32[1, CHAIN_LEN] by the
+    training forward: target last-layer K/V of the whole chain, flash-noisy lag `lag`."""
+    model, block = nnx.merge(target_graphdef, target_params), nnx.merge(draft_graphdef, draft_params)
+    positions = jnp.arange(seq.shape[1], dtype=jnp.int32)[None, :]
+    target_k, target_v = model.last_layer_kv(seq, positions, attn_impl="xla")
+    hidden = draft_hidden(block, model, seq, positions, target_k, target_v, lag)
+    return jax.nn.log_softmax(model.lm_logits(hidden)[0, last])

@@ -1,0 +1,134 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longspec_jax.errors import UserError
+from longspec_jax.tree import (
+    DEFAULT_WIDTHS,
+    chain_tree,
+    expand_level,
+    init_tree,
+    level_block,
+    level_slice,
+    node_depths,
+    num_nodes,
+    validate_widths,
+)
+
+
+def random_log_probs(rng, shape):
+    logits = rng.normal(size=shape) * 2.0
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def build(widths, root_tokens, level_log_probs, root_positions):
+    """The per-level protocol the speculative loop follows; also returns each level's block."""
+    tree = init_tree(root_tokens, level_log_probs[0], widths)
+    blocks = []
+    for depth in range(1, len(widths)):
+        blocks.append(level_block(tree, depth, root_positions))
+        tree = expand_level(tree, depth, level_log_probs[depth])
+    return tree, blocks
+
+
+def brute_force_beam(widths, root_lp, level_lps):
+    """numpy: per level, all (node, token) pairs ranked by cumulative log-prob, top W[d] kept."""
+    tokens, parents, scores = [None], [-1], [0.0]
+    frontier = [0]
+    lps = [root_lp[None]] + list(level_lps)
+    for d, w in enumerate(widths):
+        cands = [(scores[node] + lps[d][i, t], node, t) for i, node in enumerate(frontier) for t in range(lps[d].shape[-1])]
+        cands.sort(key=lambda c: -c[0])
+        frontier = []
+        for score, node, t in cands[:w]:
+            frontier.append(len(tokens))
+            tokens.append(t)
+            parents.append(node)
+            scores.append(score)
+    return np.array(tokens[1:]), np.array(parents), np.array(scores)
+
+
+@pytest.mark.parametrize("widths,vocab", [((3, 5, 4), 7), ((2, 5, 6), 3), ((4,), 9)])
+def test_beam_levels_match_brute_force(widths, vocab):
+    rng = np.random.default_rng(0)
+    batch = 2
+    n = num_nodes(widths)
+    level_lps = [random_log_probs(rng, (batch, vocab))] + [
+        random_log_probs(rng, (batch, w, vocab)) for w in widths[:-1]
+    ]
+    root_tokens = jnp.array([5, 1]) % vocab
+    root_positions = jnp.array([11, 3])
+    tree, blocks = jax.jit(build, static_argnums=0)(widths, root_tokens, [jnp.asarray(x, jnp.float32) for x in level_lps], root_positions)
+
+    depths = node_depths(widths)
+    for b in range(batch):
+        tokens, parents, scores = brute_force_beam(widths, level_lps[0][b], [lp[b] for lp in level_lps[1:]])
+        np.testing.assert_array_equal(np.asarray(tree.tokens[b, 1:]), tokens)
+        np.testing.assert_array_equal(np.asarray(tree.parents[b]), parents)
+        np.testing.assert_allclose(np.asarray(tree.scores[b]), scores, rtol=1e-5, atol=1e-5)
+        assert int(tree.tokens[b, 0]) == int(root_tokens[b])
+
+        # Mask rows are exactly the ancestor sets (self included).
+        for i in range(n):
+            ancestors, j = set(), i
+            while j >= 0:
+                ancestors.add(j)
+                j = parents[j]
+            assert set(np.flatnonzero(np.asarray(tree.mask[b, i]))) == ancestors
+            assert depths[i] == len(ancestors) - 1
+
+        # Children of one node carry distinct tokens.
+        for node in range(n):
+            child_tokens = tokens[parents[1:] == node]
+            assert len(set(child_tokens.tolist())) == len(child_tokens)
+
+    # The draft's per-level block: that level's tokens, root position + depth, mask over nodes so far.
+    for depth, (blk_tokens, blk_positions, blk_mask) in enumerate(blocks, start=1):
+        start, end = level_slice(widths, depth)
+        np.testing.assert_array_equal(blk_tokens, tree.tokens[:, start:end])
+        np.testing.assert_array_equal(blk_positions, np.asarray(root_positions)[:, None] + depth + np.zeros((1, end - start), int))
+        np.testing.assert_array_equal(blk_mask, tree.mask[:, start:end, :end])
+        assert blk_mask.shape == (batch, end - start, end)
+
+
+def test_level_slices_and_depths_cover_the_flat_layout():
+    widths = DEFAULT_WIDTHS
+    assert num_nodes(widths) == 69
+    assert level_slice(widths, 0) == (0, 1)
+    assert level_slice(widths, 1) == (1, 5)
+    assert level_slice(widths, 5) == (53, 69)
+    depths = node_depths(widths)
+    for d in range(len(widths) + 1):
+        start, end = level_slice(widths, d)
+        assert (depths[start:end] == d).all()
+
+
+def test_chain_tree_is_a_causal_chain():
+    chain = jnp.array([[4, 5, 6], [7, 8, 9]])
+    tree = chain_tree(jnp.array([1, 2]), chain)
+    assert tree.widths == (1, 1, 1)
+    np.testing.assert_array_equal(tree.tokens, [[1, 4, 5, 6], [2, 7, 8, 9]])
+    np.testing.assert_array_equal(tree.parents[0], [-1, 0, 1, 2])
+    np.testing.assert_array_equal(tree.mask[1], np.tril(np.ones((4, 4), bool)))
+
+
+@pytest.mark.parametrize(
+    "widths,match",
+    [
+        ((), "depth >= 1"),
+        ((4, 0, 2), ">= 1"),
+        ((11,), "exceeds"),
+        ((2, 30), "exceeds"),
+        ((8,) * 16, "at most 128"),
+        (("a",), "integers"),
+    ],
+)
+def test_bad_widths_raise_user_error(widths, match):
+    with pytest.raises(UserError, match=match):
+        validate_widths(widths, vocab_size=10)
+
+
+def test_good_widths_pass_validation():
+    assert validate_widths([4, 16, 16, 16, 16], vocab_size=32000) == DEFAULT_WIDTHS
+    assert validate_widths((2, 20), vocab_size=10) == (2, 20)
