@@ -1,0 +1,278 @@
+"""Benchmark decoding modes side by side on the evaluation sets: tau, tokens/s and speedup over AR.
+
+    python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
+        [--modes ar,pld,longspec] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
+        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--profile]
+
+Every prompt runs every mode at every temperature in this one process (batch 1). The first run of a
+(mode, prompt-length bucket, temperature) is a warm-up and is not counted: compiled programs are then reused, so
+timings hold no compilation. tokens/s of a group = its new tokens / its decode seconds; speedup =
+that over AR's in the same task and temperature. At T = 0 each speculative run is also checked to
+give exactly AR's tokens (lossless decoding). A mode the build cannot run (no draft, engine missing)
+is skipped with its reason. The full results go to --json-out; a markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from longspec_jax.errors import UserError
+
+TASKS = ("code_completion", "summarisation", "prefill_length")
+
+
+def load_eval_sets(eval_dir: str | Path, tasks=TASKS, limit: int | None = None) -> tuple[dict, list[dict]]:
+    """(manifest, items). limit: the first N prompts of each task (of each bucket for prefill_length)."""
+    eval_dir = Path(eval_dir)
+    manifest_path = eval_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise UserError(f"{eval_dir} holds no manifest.json: build the sets with `python -m infer.build_eval_sets --out {eval_dir}`")
+    manifest = json.loads(manifest_path.read_text())
+    items = []
+    for task in tasks:
+        path = eval_dir / f"{task}.jsonl"
+        if not path.is_file():
+            raise UserError(f"{path} is missing: rebuild the eval sets or drop {task} from --tasks")
+        taken: dict[str | None, int] = defaultdict(int)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            item = json.loads(line)
+            group = item.get("bucket")
+            if limit is None or taken[group] < limit:
+                taken[group] += 1
+                items.append(item)
+    return manifest, items
+
+
+def _tokens_digest(tokens: list[int]) -> str:
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
+
+
+def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_new_tokens: int, seed: int = 0,
+                  attn_impl: str | None = None, profile: bool = False, log=print) -> dict:
+    """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}."""
+    from longspec_jax.generation import Generator, bucket_length
+
+    skipped: dict[str, str] = {}
+    generators = {}
+    for mode in sorted(modes, key=lambda m: m != "ar"):  # AR first: the others are checked against it
+        if mode == "longspec" and draft is None:
+            skipped[mode] = "no draft: pass --draft PATH (or ship the default SmolLM2 draft)"
+            continue
+        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=attn_impl)
+    for mode, why in skipped.items():
+        log(f"skipping mode {mode}: {why}")
+
+    window = target.config.max_position_embeddings
+    warmed: set[tuple[str, int, float]] = set()
+    runs = []
+    for item in items:
+        if item["prompt_len"] + max_new_tokens > window:
+            log(f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens exceed the {window}-token window")
+            continue
+        for temperature in temperatures:
+            ar_tokens = None
+            for mode, generator in list(generators.items()):
+                kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+                try:
+                    # Greedy and sampling may be different programs: warm each up per length bucket.
+                    shape = (mode, bucket_length(item["prompt_len"]), temperature)
+                    if shape not in warmed:
+                        generator.generate(item["prompt_ids"], **kwargs)
+                        warmed.add(shape)
+                    result = generator.generate(item["prompt_ids"], profile=profile, **kwargs)
+                except UserError as e:
+                    skipped[mode] = str(e)
+                    del generators[mode]
+                    log(f"skipping mode {mode}: {e}")
+                    continue
+                tokens, stats = result.tokens[0], result.stats
+                if mode == "ar":
+                    ar_tokens = tokens
+                runs.append({
+                    "id": item["id"], "task": item["task"], "bucket": item.get("bucket"), "prompt_len": item["prompt_len"],
+                    "mode": mode, "temperature": temperature, "new_tokens": stats.new_tokens,
+                    "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tokens_per_s": stats.tokens_per_s,
+                    "tau": stats.tau, "rounds": stats.rounds, "compile_s": stats.compile_s,
+                    "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
+                    "profile": stats.profile, "tokens_sha1": _tokens_digest(tokens),
+                    "matches_ar": (tokens == ar_tokens) if temperature == 0 and mode != "ar" and ar_tokens is not None else None,
+                })
+                log(f"{item['id']} ({item['prompt_len']} tokens) {mode} T={temperature}: tau {stats.tau:.2f}, "
+                    f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens")
+    return {"runs": runs, "skipped_modes": skipped}
+
+
+def _group_stats(runs: list[dict]) -> dict:
+    decode_s = sum(r["decode_s"] for r in runs)
+    new_tokens = sum(r["new_tokens"] for r in runs)
+    checks = [r["matches_ar"] for r in runs if r["matches_ar"] is not None]
+    profile_keys = sorted({k for r in runs for k in r["profile"]})
+    return {
+        "prompts": len(runs),
+        "mean_prompt_len": statistics.fmean(r["prompt_len"] for r in runs),
+        "mean_tau": statistics.fmean(r["tau"] for r in runs),
+        "tokens_per_s": new_tokens / decode_s if decode_s > 0 else 0.0,
+        "new_tokens": new_tokens,
+        "mean_prefill_s": statistics.fmean(r["prefill_s"] for r in runs),
+        "mean_decode_s": statistics.fmean(r["decode_s"] for r in runs),
+        "mean_rounds": statistics.fmean(r["rounds"] for r in runs),
+        "matches_ar": (sum(checks) / len(checks)) if checks else None,
+        "profile": {k: statistics.fmean(r["profile"][k] for r in runs if k in r["profile"]) for k in profile_keys},
+    }
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per (task, temperature, mode) and per (prefill bucket, temperature, mode) aggregates."""
+    def grouped(key_fields, selected):
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for r in selected:
+            groups[tuple(r[f] for f in key_fields)].append(r)
+        return [dict(zip(key_fields, key), **_group_stats(rs)) for key, rs in groups.items()]
+
+    by_task = grouped(("task", "temperature", "mode"), runs)
+    ar_speed = {(g["task"], g["temperature"]): g["tokens_per_s"] for g in by_task if g["mode"] == "ar"}
+    for g in by_task:
+        ar = ar_speed.get((g["task"], g["temperature"]))
+        g["speedup_vs_ar"] = g["tokens_per_s"] / ar if ar else None
+    by_bucket = grouped(("bucket", "temperature", "mode"), [r for r in runs if r["bucket"] is not None])
+    tau_change = {}
+    for (temperature, mode) in {(g["temperature"], g["mode"]) for g in by_bucket}:
+        rows = sorted((g for g in by_bucket if (g["temperature"], g["mode"]) == (temperature, mode)),
+                      key=lambda g: g["mean_prompt_len"])
+        if len(rows) > 1 and rows[0]["mean_tau"] > 0:
+            tau_change[f"{mode} T={temperature}"] = rows[-1]["mean_tau"] / rows[0]["mean_tau"] - 1.0
+    return {"by_task": by_task, "by_bucket": by_bucket, "tau_change_shortest_to_longest_bucket": tau_change}
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_tables(summary: dict) -> str:
+    lines = ["| task | T | mode | prompts | tau | tokens/s | speedup vs AR | greedy = AR |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for g in summary["by_task"]:
+        lines.append(f"| {g['task']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | {g['mean_tau']:.2f} | "
+                     f"{g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | {_fmt(g['matches_ar'], '.0%')} |")
+    if summary["by_bucket"]:
+        lines += ["", "| prefill bucket | T | mode | prompts | mean prompt tokens | tau | tokens/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for g in sorted(summary["by_bucket"], key=lambda g: (g["temperature"], g["mode"], g["mean_prompt_len"])):
+            lines.append(f"| {g['bucket']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | "
+                         f"{g['mean_prompt_len']:.0f} | {g['mean_tau']:.2f} | {g['tokens_per_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def _csv(text: str, cast, what: str) -> list:
+    try:
+        values = [cast(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UserError(f"{what} must be a comma-separated list, got {text!r}")
+    return values
+
+
+def load_models(target_path: str | None, draft_path: str | None, dtype: str, want_draft: bool):
+    """(target, draft or None). Without --draft the embedded SmolLM2 uses its shipped draft if present."""
+    import jax
+
+    from longspec_jax.target import load_target
+
+    if dtype == "auto":
+        dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    target = load_target(target_path, dtype=dtype)
+    if draft_path is None and want_draft and target_path is None:
+        from longspec_jax.embedded import default_draft_dir
+
+        if (default_draft_dir() / "config.json").is_file():
+            draft_path = str(default_draft_dir())
+    if draft_path is None or not want_draft:
+        return target, None
+    from longspec_jax.draft_io import load_draft
+
+    draft = load_draft(draft_path, target)  # float32 as stored; run it in the target's dtype
+    return target, draft if target.dtype == draft_dtype(draft) else draft.cast(target.dtype)
+
+
+def draft_dtype(draft):
+    import jax
+
+    return jax.tree.leaves(draft.block)[0].dtype
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
+    p.add_argument("--eval-dir", required=True, type=Path, help="folder made by infer.build_eval_sets")
+    p.add_argument("--target", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="LongSpec draft (default for the embedded target: the shipped draft)")
+    p.add_argument("--modes", default="ar,pld,longspec")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, help="first N prompts per task (per bucket for prefill_length)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn-impl", help="xla, cudnn or pallas (default: fastest for the backend)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
+    p.add_argument("--json-out", type=Path, help="write the full results here")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    modes = _csv(args.modes, str, "--modes")
+    temperatures = _csv(args.temperatures, float, "--temperatures")
+    tasks = _csv(args.tasks, str, "--tasks")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
+    target, draft = load_models(args.target, args.draft, args.dtype, "longspec" in modes)
+    if manifest.get("vocab_size") != target.config.vocab_size:
+        raise UserError(f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
+                        f"({manifest.get('tokenizer')}) but the target has {target.config.vocab_size}: rebuild them "
+                        "with `python -m infer.build_eval_sets --tokenizer TARGET`")
+    import jax
+
+    from longspec_jax import attention
+
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    results = run_benchmark(target, draft, items, modes=modes, temperatures=temperatures,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, attn_impl=args.attn_impl,
+                            profile=args.profile, log=log)
+    summary = summarise(results["runs"])
+    device = jax.devices()[0]
+    return {
+        "config": {"eval_dir": str(args.eval_dir), "target": args.target or "embedded SmolLM2-135M-Instruct",
+                   "draft": args.draft, "dtype": str(target.dtype), "modes": modes, "temperatures": temperatures,
+                   "tasks": tasks, "max_new_tokens": args.max_new_tokens, "limit": args.limit, "seed": args.seed,
+                   "attn_impl": args.attn_impl or attention.default_impl(), "backend": jax.default_backend(), "device": device.device_kind,
+                   "eval_manifest": manifest},
+        **results,
+        "summary": summary,
+        "markdown": markdown_tables(summary),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    print(report["markdown"])
+    return 0 if report["runs"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The data side of the SmolLM2 draft: corpus builder, eval-set builder, benchmark and plot data.
+
+Built on small fake sources and a character-level stand-in tokenizer; the benchmark smoke runs a
+tiny random target (CPU, mode ar) on two prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infer import benchmark, build_eval_sets, plot_results
+from infer.build_eval_sets import SUMMARY_INSTRUCTION, EvalSpec
+from longspec_jax.errors import UserError
+from train.build_corpus import Document, Source, build_corpus, default_sources, split_of
+
+VOCAB = 128  # tiny_config's vocabulary
+
+
+class CharTokenizer:
+    """One token per character (ids 3..127), a marker-based chat template: lengths are easy to reason about."""
+
+    chat_template = "user-turn"
+
+    def __len__(self) -> int:
+        return VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + ord(c) % (VOCAB - 3) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+        assert not tokenize and add_generation_prompt
+        return f"<user>{messages[0]['content']}</user><assistant>"
+
+
+def fake_code(i: int, lines: int) -> str:
+    return "\n\n" + "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(lines))
+
+
+def fake_doc(i: int, paragraphs: int) -> str:
+    return "\n\n".join(f"Paragraph {j} of document {i} says something about topic {i * j}." for j in range(paragraphs))
+
+
+def write_fake_stdlib(root: Path, count: int) -> Path:
+    for i in range(count):
+        folder = root / ("pkg" if i % 2 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"mod{i:02d}.py").write_text(fake_code(i, 3 + i % 4))
+    (root / "site-packages").mkdir()
+    (root / "site-packages" / "third_party.py").write_text("x = 1\n")
+    (root / "latin1.py").write_bytes("s = 'caf\xe9'\n".encode("latin-1"))
+    (root / "copy_of_mod00.py").write_text(fake_code(0, 3))
+    return root
+
+
+def read_jsonl(folder: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def test_corpus_split_is_deterministic_disjoint_and_licensed(tmp_path):
+    stdlib = write_fake_stdlib(tmp_path / "lib", 30)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(6):
+        (docs / f"page{i}.rst.txt").write_text(fake_doc(i, 4))
+    sources = [Source("fake-code", stdlib, "**/*.py", "PSF-2.0", "code", 40, ("site-packages",)),
+               Source("fake-docs", docs, "**/*.rst.txt", "PSF-2.0 (docs)", "doc", 40)]
+
+    manifest = build_corpus(tmp_path / "a", sources, shard_mb=0.001)
+    build_corpus(tmp_path / "b", sources, shard_mb=0.001)
+    a_files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.jsonl"))
+    assert len(a_files) > 2  # several shards
+    for rel in a_files:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+
+    train, held_out = read_jsonl(tmp_path / "a" / "train"), read_jsonl(tmp_path / "a" / "eval")
+    assert train and held_out
+    for record in train + held_out:
+        assert set(record) == {"text", "source", "license", "path"} and record["license"].startswith("PSF-2.0")
+    train_keys = {f"{r['source']}/{r['path']}" for r in train}
+    eval_keys = {f"{r['source']}/{r['path']}" for r in held_out}
+    assert not train_keys & eval_keys
+    assert all(split_of(k, 40) == "eval" for k in eval_keys)
+    # Every readable file lands in one split, except excluded ones and training copies of held-out texts.
+    assert "fake-code/site-packages/third_party.py" not in train_keys | eval_keys
+    assert manifest["skipped_not_utf8_or_empty"] == ["fake-code/latin1.py"]
+    eval_texts = {r["text"] for r in held_out}
+    assert not any(r["text"] in eval_texts for r in train)
+    all_files = {f"fake-code/{p.relative_to(stdlib).as_posix()}" for p in stdlib.rglob("*.py")} | {
+        f"fake-docs/{p.name}" for p in docs.iterdir()}
+    missing = all_files - train_keys - eval_keys - {"fake-code/site-packages/third_party.py", "fake-code/latin1.py"}
+    assert missing <= {"fake-code/copy_of_mod00.py", "fake-code/mod00.py"}
+    assert manifest["train"]["documents"] == len(train) and manifest["eval"]["documents"] == len(held_out)
+
+    capped = build_corpus(tmp_path / "c", sources, max_mb=0.002, shard_mb=0.001)
+    assert 0 < capped["train"]["mb"] <= 0.002 < manifest["train"]["mb"]
+    assert capped["eval"] == manifest["eval"]
+
+
+def test_corpus_loads_with_datasets_json(tmp_path):
+    import datasets
+
+    stdlib = write_fake_stdlib(tmp_path / "lib", 8)
+    build_corpus(tmp_path / "out", default_sources(stdlib, tmp_path / "no_docs"))
+    files = sorted(str(p) for p in (tmp_path / "out" / "train").glob("*.jsonl"))
+    ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=str(tmp_path / "cache"))
+    assert {"text", "source", "license"} <= set(ds.column_names) and set(ds["source"]) == {"python-stdlib"}
+
+
+def test_split_rule_spreads_and_respects_percent():
+    keys = [f"src/file{i}.py" for i in range(2000)]
+    share = sum(split_of(k, 10) == "eval" for k in keys) / len(keys)
+    assert 0.07 < share < 0.13
+    assert [split_of(k, 10) for k in keys] == [split_of(k, 10) for k in keys]
+    assert all(split_of(k, 0) == "train" for k in keys[:50]) and all(split_of(k, 100) == "eval" for k in keys[:50])
+
+
+# ----------------------------------------------------------------------------- eval sets
+
+
+def fake_documents(kind: str, count: int, size: int) -> list[Document]:
+    make = fake_code if kind == "code" else fake_doc
+    return [Document("fake", "PSF-2.0", kind, f"{kind}{i}", make(i, size)) for i in range(count)]
+
+
+SMALL_SPEC = EvalSpec(code_range=(150, 400), summary_range=(150, 400), buckets={"s": (60, 120), "l": (200, 300)},
+                      per_task=3, per_bucket=2)
+
+
+def test_eval_sets_respect_bounds_lines_and_chat_template(tmp_path):
+    tok = CharTokenizer()
+    code_docs, summary_docs = fake_documents("code", 6, 20), fake_documents("doc", 6, 12)
+    sets = build_eval_sets.build_eval_sets(code_docs, summary_docs, tok, SMALL_SPEC)
+    by_key = {d.key: d.text for d in code_docs + summary_docs}
+
+    assert len(sets["code_completion"]) == 3 and len(sets["summarisation"]) == 3
+    for item in sets["code_completion"]:
+        assert 150 <= item["prompt_len"] <= 400 and item["prompt_len"] == len(item["prompt_ids"])
+        source = by_key[item["source_path"]]
+        assert source.startswith(item["text"]) and item["text"].endswith("\n") and len(item["text"]) < len(source)
+        assert item["prompt_ids"] == tok.encode(item["text"]) and not item["chat"]
+        assert source[len(item["text"]):].startswith(item["reference"])
+    for item in sets["summarisation"]:
+        assert 150 <= item["prompt_len"] <= 400 and item["chat"]
+        assert item["text"].endswith(SUMMARY_INSTRUCTION)
+        body = item["text"][: -len(SUMMARY_INSTRUCTION)].rstrip()
+        assert by_key[item["source_path"]].startswith(body)
+        assert item["prompt_ids"] == tok.encode(f"<user>{item['text']}</user><assistant>")
+    buckets = sets["prefill_length"]
+    assert sorted(i["bucket"] for i in buckets) == ["l", "l", "s", "s"]
+    for item in buckets:
+        lo, hi = SMALL_SPEC.buckets[item["bucket"]]
+        assert lo <= item["prompt_len"] <= hi
+
+    manifest = build_eval_sets.write_eval_sets(tmp_path, sets, tok, SMALL_SPEC, "char")
+    assert manifest["vocab_size"] == VOCAB and manifest["tasks"]["prefill_length"]["prompts"] == 4
+    again = build_eval_sets.build_eval_sets(code_docs, summary_docs, tok, SMALL_SPEC)
+    assert again == sets
+    assert build_eval_sets.code_ids(tok, "\n\n") == []  # a blank prefix is short, not an error
+
+
+def test_eval_sets_refuse_too_few_long_documents():
+    with pytest.raises(UserError, match="held-out document"):
+        build_eval_sets.build_eval_sets(fake_documents("code", 6, 2), fake_documents("doc", 6, 12),
+                                        CharTokenizer(), SMALL_SPEC)
+
+
+# ----------------------------------------------------------------------------- benchmark and plot
+
+
+def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=2, per_bucket=1)
+    tok = CharTokenizer()
+    sets = build_eval_sets.build_eval_sets(fake_documents("code", 4, 20), fake_documents("doc", 4, 12), tok, spec)
+    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    out = tmp_path / "results.json"
+
+    rc = benchmark.main(["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,longspec",
+                         "--tasks", "code_completion", "--temperatures", "0,1", "--max-new-tokens", "6",
+                         "--json-out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert "longspec" in report["skipped_modes"]
+    runs = report["runs"]
+    assert len(runs) == 4 and {r["mode"] for r in runs} == {"ar"} and {r["temperature"] for r in runs} == {0.0, 1.0}
+    for r in runs:
+        assert r["tau"] == 1.0 and 1 <= r["new_tokens"] <= 6 and r["decode_s"] > 0 and r["compile_s"] == 0.0
+    rows = report["summary"]["by_task"]
+    assert {(g["task"], g["mode"]) for g in rows} == {("code_completion", "ar")}
+    assert all(g["speedup_vs_ar"] == pytest.approx(1.0) and g["prompts"] == 2 for g in rows)
+    assert capsys.readouterr().out.strip().endswith(report["markdown"].splitlines()[-1])
+
+    with pytest.raises(UserError, match="vocabulary"):
+        benchmark.run(benchmark.build_parser().parse_args(
+            ["--eval-dir", str(tmp_path / "eval"), "--target", str(save_tiny_checkpoint(tmp_path / "t2", tiny_config(vocab_size=96)))]))
+
+
+def fake_run(task, mode, temperature, tau, decode_s, bucket=None, prompt_len=100, matches=None):
+    return {"id": "x", "task": task, "bucket": bucket, "prompt_len": prompt_len, "mode": mode, "temperature": temperature,
+            "new_tokens": 10, "prefill_s": 0.1, "decode_s": decode_s, "tokens_per_s": 10 / decode_s, "tau": tau,
+            "rounds": 3, "profile": {}, "matches_ar": matches}
+
+
+def test_summary_speedup_buckets_and_plot_series():
+    runs = [fake_run("code_completion", "ar", 0.0, 1.0, 2.0), fake_run("code_completion", "pld", 0.0, 2.0, 1.0, matches=True),
+            fake_run("prefill_length", "pld", 0.0, 3.0, 1.0, "1-2k", 1500, True),
+            fake_run("prefill_length", "pld", 0.0, 2.4, 1.0, "6-8k", 7000, False)]
+    summary = benchmark.summarise(runs)
+    pld = next(g for g in summary["by_task"] if (g["task"], g["mode"]) == ("code_completion", "pld"))
+    assert pld["speedup_vs_ar"] == pytest.approx(2.0) and pld["matches_ar"] == 1.0
+    assert summary["tau_change_shortest_to_longest_bucket"]["pld T=0.0"] == pytest.approx(-0.2)
+
+    series = plot_results.plot_series({"summary": summary}, 0.0)
+    assert series["speed"]["code_completion"] == {"ar": 5.0, "pld": 10.0}
+    assert series["tau"]["pld"] == [("1-2k", 1500, 3.0), ("6-8k", 7000, 2.4)]
+    with pytest.raises(UserError, match="temperature"):
+        plot_results.plot_series({"summary": summary}, 1.0)
+
+
+def test_draw_writes_a_png_or_names_the_missing_dependency(tmp_path):
+    series = {"speed": {"code_completion": {"ar": 5.0, "pld": 10.0}}, "tau": {"pld": [("1-2k", 1500, 3.0), ("6-8k", 7000, 2.4)]}}
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(UserError, match="pip install matplotlib"):
+            plot_results.draw(series, tmp_path / "plot.png", "title")
+        return
+    out = plot_results.draw(series, tmp_path / "plot.png", "title")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
