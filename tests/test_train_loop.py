@@ -1,0 +1,144 @@
+"""The training loop with tiny.py on CPU: the loss falls, an interrupted run resumes exactly where an
+uninterrupted one would be, a non-finite loss keeps the last good checkpoint, the export loads."""
+
+import dataclasses
+import json
+import signal
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from longspec_jax.draft_io import load_draft
+from longspec_jax.errors import UserError
+from longspec_jax.target import random_target
+from train.checkpoint import CheckpointStore
+from train.config import apply_overrides, load_config
+from train.trainer import TrainingStopped, train
+
+STEPS = 12
+NAMES = ["Ada", "Bo", "Cy", "Di", "Ed", "Flo"]
+THINGS = ["apples", "books", "coins", "pens"]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    """Short structured stories (learnable) of varied lengths, so shuffling changes the stream."""
+    path = tmp_path_factory.mktemp("corpus") / "stories.jsonl"
+    lines = []
+    for i in range(96):
+        a, b, thing = NAMES[i % 6], NAMES[(i * 5 + 1) % 6], THINGS[i % 4]
+        n, k = 3 + i % 5, 1 + i % 3
+        lines.append(json.dumps({"text": f"{a} has {n} {thing}. {a} gives {k} {thing} to {b}. "
+                                         f"Now {a} has {n - k} {thing} and {b} has {k} {thing}."}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_cfg(corpus_file, out_dir, *overrides):
+    return apply_overrides(load_config("tiny"), [
+        f"data={corpus_file}", f"output_dir={out_dir}", f"data_cache_dir={out_dir.parent / 'cache'}",
+        f"max_steps={STEPS}", "checkpoint_every=100", "log_every=4", *overrides,
+    ])
+
+
+class Recorder:
+    """on_step hook: the batch each step saw; optionally a Ctrl-C (SIGINT) after step `interrupt_at`."""
+
+    def __init__(self, interrupt_at=None):
+        self.batches, self.interrupt_at = {}, interrupt_at
+
+    def __call__(self, step, batch, metrics):
+        self.batches[step] = batch["tokens"].copy()
+        if step == self.interrupt_at:
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "run"
+    recorder = Recorder()
+    result = train(tiny_cfg(corpus_file, out), on_step=recorder)
+    return result, recorder
+
+
+def test_loss_falls(uninterrupted):
+    result, _ = uninterrupted
+    assert result.step == STEPS and len(result.losses) == STEPS and not result.interrupted
+    start = result.losses[0]
+    assert abs(start - np.log(320)) < 0.3  # a fresh draft is near uniform over the 320-token vocabulary
+    assert np.mean(result.losses[-3:]) < start - 1.0, result.losses
+
+
+def test_metrics_tensorboard_and_export(uninterrupted, corpus_file):
+    result, _ = uninterrupted
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 8, 12]
+    assert {"loss", "tokens_per_s", "lr", "grad_norm", "accuracy"} <= set(records[0])
+    assert records[-1]["loss"] == pytest.approx(result.losses[-1])
+    assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    cfg = load_config("tiny")
+    draft = load_draft(result.draft_path, random_target(cfg.model, seed=cfg.seed))
+    assert draft.block.mlp.up_proj.kernel[...].shape == (cfg.model.hidden_size, cfg.model.intermediate_size)
+    assert (result.draft_path / "model.safetensors").is_file() and (result.draft_path / "config.json").is_file()
+
+
+def test_interrupted_run_resumes_exactly(uninterrupted, corpus_file, tmp_path):
+    full, full_batches = uninterrupted
+    out = tmp_path / "run"
+    first = Recorder(interrupt_at=5)
+    stopped = train(tiny_cfg(corpus_file, out), on_step=first)
+    assert stopped.interrupted and stopped.step == 5
+    assert CheckpointStore(out / "stage1" / "checkpoints", keep=2).latest_step() == 5
+    second = Recorder()
+    resumed = train(tiny_cfg(corpus_file, out), on_step=second)
+    assert resumed.start_step == 5 and resumed.step == STEPS
+    assert stopped.losses + resumed.losses == full.losses  # bit-identical on CPU
+    for step in range(1, STEPS + 1):
+        seen = first.batches.get(step, second.batches.get(step))
+        assert np.array_equal(seen, full_batches.batches[step]), f"step {step} saw different data"
+    np.testing.assert_array_equal(
+        np.asarray(load_draft(resumed.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]),
+        np.asarray(load_draft(full.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus_file, tmp_path):
+    out = tmp_path / "run"
+    recorder = Recorder()
+    # An absurd learning rate overflows the weights within a few steps (the first step's lr is 0).
+    # This run also computes in bfloat16, as on GPU: its checkpoints must hold float32 master state.
+    cfg = tiny_cfg(corpus_file, out, "lr=1e30", "checkpoint_every=1", "compute_dtype=bfloat16")
+    with pytest.raises(TrainingStopped, match="last good checkpoint") as info:
+        train(cfg, on_step=recorder)
+    good_steps = max(recorder.batches)  # on_step runs only for finite steps
+    assert 1 <= good_steps < STEPS
+    assert f"at step {good_steps + 1}" in str(info.value)
+    store = CheckpointStore(out / "stage1" / "checkpoints", keep=cfg.keep_checkpoints)
+    assert store.latest_step() == good_steps
+    restored = store.manager.restore(good_steps, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored.state["params"]))
+    floats = {np.asarray(x).dtype for x in jax.tree.leaves(restored.state) if np.issubdtype(np.asarray(x).dtype, np.floating)}
+    assert floats == {np.dtype(np.float32)}  # master weights and Adam moments
+    assert not (out / "stage1" / "draft").exists()
+
+
+def test_a_later_stage_starts_from_the_previous_stages_draft(uninterrupted, corpus_file):
+    from train.trainer import _initial_draft
+
+    result, _ = uninterrupted
+    cfg = tiny_cfg(corpus_file, result.run_dir.parent)
+    cfg = dataclasses.replace(cfg, stages=cfg.stages * 2, stage=2)
+    target = random_target(cfg.model, seed=cfg.seed)
+    continued = _initial_draft(cfg, target).block.mlp.up_proj.kernel[...]
+    exported = load_draft(result.draft_path, target).block.mlp.up_proj.kernel[...]
+    fresh = _initial_draft(dataclasses.replace(cfg, stage=1), target).block.mlp.up_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(continued), np.asarray(exported))
+    assert not np.allclose(np.asarray(continued), np.asarray(fresh))
+
+
+def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_file):
+    result, _ = uninterrupted
+    with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):
+        train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
+

@@ -1,0 +1,194 @@
+"""The training data: local files -> `datasets` (tokenised, cached) -> a grain pipeline of batches.
+
+Records are either plain text (`text_field`: every token is trained on) or SFT pairs
+(`prompt_field` + `response_field`: only the response and its EOS are trained on). Each record
+becomes [BOS] + tokens + [EOS] (BOS only where the target's tokenizer adds one); the records are shuffled with a seed (reshuffled each epoch),
+concatenated and split into rows of seq_len (grain's concat-then-split), and batched.
+
+`loss_mask[b, t] = 1` when token t is a training label (the prediction of token t from the tokens
+before it counts). The iterator's state (grain `get_state`/`set_state`) goes into every checkpoint,
+so a resumed run continues with exactly the batches an uninterrupted run would have seen.
+
+Only this module imports `grain` and `datasets` (the GPU machine has neither; the benchmark does
+not need them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from longspec_jax.config import ModelConfig
+from longspec_jax.errors import UserError
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet",
+           ".txt": "text", ".md": "text", ".rst": "text", ".py": "text"}
+
+
+class TextEncoder(Protocol):
+    bos: list[int]  # what starts every document (the BOS the target's tokenizer adds, if any)
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteEncoder:
+    """UTF-8 bytes as token ids 0..255: the tokenizer of a target that has none (random targets)."""
+
+    def __init__(self, bos: list[int] | None = None):
+        self.bos = list(bos or [])
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class HFEncoder:
+    """A transformers-style tokenizer. Documents start the way the tokenizer starts a text by
+    itself (Llama: BOS; Qwen2, SmolLM2: nothing); special tokens are otherwise added here."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        start = list(tokenizer("", add_special_tokens=True)["input_ids"])
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+        self.bos = start[:1] if start and bos_id is not None and start[0] == bos_id else []
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except TypeError:  # tokenizers without that keyword
+            return list(self.tokenizer.encode(text))
+
+
+def text_encoder(tokenizer, model: ModelConfig) -> TextEncoder:
+    if tokenizer is not None:
+        return HFEncoder(tokenizer)
+    if model.vocab_size < 257:
+        raise UserError(
+            f"the target has no tokenizer and vocab_size={model.vocab_size} is too small for UTF-8 "
+            "bytes (needs >= 257): load a target with a tokenizer"
+        )
+    return ByteEncoder([model.bos_token_id] if model.bos_token_id is not None else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A tokenised corpus: `records` is a `datasets.Dataset` with columns tokens, loss_mask."""
+
+    records: Any
+    num_tokens: int
+    files: tuple[str, ...]
+
+    def steps_per_epoch(self, seq_len: int, batch_size: int) -> int:
+        return self.num_tokens // seq_len // batch_size
+
+
+def find_files(paths: tuple[str, ...] | list[str]) -> list[Path]:
+    """The data files under `paths` (files or directories, searched recursively), in a fixed order."""
+    if not paths:
+        raise UserError("no training data given: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)")
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise UserError(f"data path {p} does not exist: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)")
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FORMATS)
+        elif p.suffix.lower() in FORMATS:
+            files.append(p)
+        else:
+            raise UserError(f"data file {p}: unknown format {p.suffix!r}; use one of {', '.join(sorted(FORMATS))}")
+    if not files:
+        raise UserError(f"no data files (.jsonl/.json/.parquet/.txt) under {', '.join(map(str, paths))}")
+    return files
+
+
+def load_corpus(paths, encoder: TextEncoder, model: ModelConfig, *, text_field="text", prompt_field="prompt",
+                response_field="response", cache_dir: str | None = None) -> Corpus:
+    """Load local files with `datasets` (never a hub) and tokenise them (cached by `datasets`)."""
+    import datasets
+
+    files = find_files(paths)
+    eos = list(model.eos_token_ids[:1])
+    if not eos:
+        raise UserError("the target config names no eos_token_id: documents could not be separated")
+    parts = []
+    for fmt in sorted({FORMATS[f.suffix.lower()] for f in files}):
+        chosen = [str(f) for f in files if FORMATS[f.suffix.lower()] == fmt]
+        kwargs = {"sample_by": "document"} if fmt == "text" else {}
+        raw = datasets.load_dataset(fmt, data_files=chosen, split="train", cache_dir=cache_dir, **kwargs)
+        columns = set(raw.column_names)
+        if fmt == "text":
+            fields = ("text", None)
+        elif {prompt_field, response_field} <= columns:
+            fields = (prompt_field, response_field)
+        elif text_field in columns:
+            fields = (text_field, None)
+        else:
+            raise UserError(
+                f"{chosen[0]}: records need a {text_field!r} field or {prompt_field!r} + {response_field!r} "
+                f"fields (found {sorted(columns)}); set text_field/prompt_field/response_field with --set"
+            )
+        parts.append(raw.map(_Tokenise(encoder, eos, *fields), batched=True, remove_columns=raw.column_names,
+                             desc=f"tokenising {fmt}"))
+    records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    records = records.filter(lambda n: n > 0, input_columns="length")
+    num_tokens = int(np.sum(records["length"])) if len(records) else 0
+    return Corpus(records=records.remove_columns("length"), num_tokens=num_tokens, files=tuple(map(str, files)))
+
+
+class _Tokenise:
+    """datasets.map function: a batch of records -> tokens, loss_mask, length (a class so it pickles)."""
+
+    def __init__(self, encoder, eos, first_field, response_field):
+        self.encoder, self.bos, self.eos = encoder, encoder.bos, eos
+        self.first_field, self.response_field = first_field, response_field
+
+    def __call__(self, batch):
+        out = {"tokens": [], "loss_mask": [], "length": []}
+        firsts = batch[self.first_field]
+        responses = batch[self.response_field] if self.response_field else [None] * len(firsts)
+        for first, response in zip(firsts, responses):
+            head = self.bos + self.encoder.encode(first or "")
+            if response is None:  # plain text: every token after BOS is a label
+                tokens = head + self.eos
+                mask = [0] * len(self.bos) + [1] * (len(tokens) - len(self.bos))
+            else:  # SFT: labels are the response and its EOS only
+                tail = self.encoder.encode(response) + self.eos
+                tokens, mask = head + tail, [0] * len(head) + [1] * len(tail)
+            empty = len(tokens) == len(self.bos) + len(self.eos)
+            out["tokens"].append(tokens)
+            out["loss_mask"].append(mask)
+            out["length"].append(0 if empty else len(tokens))
+        return out
+
+
+def batch_iterator(corpus: Corpus, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
+                   process_count: int = 1):
+    """An endless grain iterator of {"tokens": int32[batch_size, seq_len], "loss_mask": int32[...]}
+    for this process (its share of the records). Has get_state() / set_state()."""
+    import grain
+    from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchIterDataset
+
+    if len(corpus.records) < process_count:
+        raise UserError(f"only {len(corpus.records)} records for {process_count} processes: add data")
+    ds = grain.MapDataset.source(corpus.records)[process_index::process_count]
+    ds = ds.shuffle(seed=seed).repeat().map(_as_arrays)
+    # Records are already in memory-mapped Arrow: reading in the main thread keeps order trivially
+    # deterministic and costs little next to a training step.
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    it = ConcatThenSplitIterDataset(it, length_struct={"tokens": seq_len, "loss_mask": seq_len})
+    it = it.map(_drop_packing_features).batch(batch_size, drop_remainder=True)
+    # Batches are made in a background thread while the device runs the step. Its get_state()
+    # is the state after the last batch handed out, so checkpoints stay exact.
+    return iter(ThreadPrefetchIterDataset(it, prefetch_buffer_size=2))
+
+
+def _as_arrays(record):
+    return {"tokens": np.asarray(record["tokens"], np.int32), "loss_mask": np.asarray(record["loss_mask"], np.int32)}
+
+
+def _drop_packing_features(packed):
+    # Documents are concatenated and attended across (as the paper's pre-training data is), so the
+    # segment ids and in-document positions grain adds are not needed.
+    return {"tokens": packed["tokens"], "loss_mask": packed["loss_mask"]}

@@ -1,0 +1,244 @@
+"""The training loop: set up target, data, mesh, draft and optimiser; resume; step; checkpoint; export.
+
+Run directory layout (`<output_dir>/stage<N>/`): `checkpoints/<step>/` (orbax), `metrics.jsonl`,
+`tensorboard/`, and `draft/` (the exported draft: safetensors + config.json) when the stage ends.
+A stage N > 1 starts from stage N-1's exported draft when it exists (the paper trains one draft
+through all stages), with a fresh optimiser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from longspec_jax.errors import UserError
+from train import sharding
+from train.checkpoint import CheckpointStore
+from train.config import EMBEDDED_TARGET, RANDOM_TARGET, TrainConfig
+from train.metrics import RunLog
+from train.optim import make_optimizer
+from train.step import compile_step, init_state, step_config
+
+
+class TrainingStopped(Exception):
+    """The run stopped early on purpose (non-finite loss); the message says why and what was kept."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int  # completed steps when this process started (after any resume)
+    step: int  # completed steps at the end
+    losses: list[float]  # one per step run by this process
+    draft_path: Path | None  # the export, when the stage finished
+    interrupted: bool = False  # Ctrl-C: a checkpoint of `step` was saved
+
+
+class _StopOnInterrupt:
+    """The first Ctrl-C asks the loop to stop after the current step (which then saves a
+    checkpoint); a second one interrupts at once. Only in the main thread (signals live there)."""
+
+    def __init__(self):
+        self.requested = False
+        self._installed = False
+        self._previous = signal.default_int_handler
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            # None: the previous handler was not set from Python; fall back to the default.
+            self._previous = signal.signal(signal.SIGINT, self._handle) or signal.default_int_handler
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+OnStep = Callable[[int, dict, dict], None]  # (step, local batch, metrics): a hook for tests
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    return Path(cfg.output_dir) / f"stage{cfg.stage}"
+
+
+def load_target_for(cfg: TrainConfig):
+    """The frozen target, in the compute dtype, loaded on the host (placed by the plan later)."""
+    from longspec_jax.target import load_target, random_target
+
+    if cfg.target == RANDOM_TARGET:
+        return random_target(cfg.model, seed=cfg.seed, dtype=cfg.compute_dtype)
+    path = None if cfg.target == EMBEDDED_TARGET else Path(cfg.target)
+    if path is not None and not path.exists():
+        raise UserError(f"target {path} does not exist: pass --target PATH (an HF checkpoint directory or .gguf file)")
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return load_target(path, dtype=cfg.compute_dtype)
+
+
+def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
+    from train.data import batch_iterator, find_files
+
+    cfg.validate()
+    stage = cfg.current
+    find_files(stage.data)  # a wrong data path fails now, not after loading the target
+    sharding.maybe_initialize_distributed()
+    mesh = sharding.make_mesh(cfg.mesh)
+    accum, rows_per_process = _batch_layout(cfg, mesh)
+    run_dir = run_dir_of(cfg)
+    target = load_target_for(cfg)
+    corpus, total_steps = _load_corpus(cfg, target)
+    optimizer, schedule = make_optimizer(cfg, total_steps)
+    draft = _initial_draft(cfg, target)
+    target_graphdef, target_params = nnx.split(target.model)
+    target_params = jax.device_put(target_params, sharding.param_shardings(target_params, mesh))
+    draft_graphdef, draft_params = nnx.split(draft.block)
+    # Host copies in: every process passes the same values, which jit then places by the plan.
+    state = init_state(jax.device_get(nnx.to_pure_dict(draft_params)), optimizer, mesh)
+    step_fn = compile_step(target_graphdef, draft_graphdef, optimizer, step_config(cfg), mesh, target_params, state)
+
+    data = batch_iterator(corpus, seq_len=stage.seq_len, batch_size=rows_per_process, seed=cfg.seed,
+                          process_index=jax.process_index(), process_count=jax.process_count())
+    store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    step = 0
+    if store.latest_step() is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        _check_resumable(store, cfg)
+        state, meta = store.restore(store.latest_step(), abstract, data)
+        step = int(meta["step"])
+    start_step = step
+    meta_config = _jsonable(dataclasses.asdict(cfg))
+    base_key = jax.random.key(cfg.seed)
+    log = RunLog(run_dir, start_step=step, total_steps=total_steps, enabled=jax.process_index() == 0)
+    if cfg.target != RANDOM_TARGET and _shape_fields(target.config) != _shape_fields(cfg.model):
+        log.message(f"note: the target's shapes differ from config {cfg.name!r}'s `model` (used only for memory "
+                    "plans); training uses the target's own")
+    if step:
+        log.message(f"resumed from {store.directory}/{step}")
+    losses: list[float] = []
+    last_logged = step
+    with _StopOnInterrupt() as interrupt:
+        try:
+            while step < total_steps and not interrupt.requested:
+                local = next(data)
+                batch = sharding.global_batch(
+                    {k: v.reshape(accum, rows_per_process // accum, stage.seq_len) for k, v in local.items()}, mesh)
+                state, metrics = step_fn(target_params, state, batch, jax.random.fold_in(base_key, step))
+                step += 1
+                metrics = {k: float(v) for k, v in metrics.items()}
+                if not math.isfinite(metrics["loss"]):
+                    kept = store.latest_step()
+                    raise TrainingStopped(
+                        f"loss is {metrics['loss']} at step {step}: stopped. The last good checkpoint "
+                        f"({'none yet' if kept is None else f'step {kept}'}) is kept in {store.directory}; "
+                        "lower the learning rate (--set lr=...) and run again to resume from it")
+                losses.append(metrics["loss"])
+                log.count_tokens(stage.batch_size * stage.seq_len)
+                if step % cfg.log_every == 0 or step == total_steps:
+                    log.log(step, {**metrics, "lr": float(schedule(step - 1))}, steps_done=step - last_logged)
+                    last_logged = step
+                if step % cfg.checkpoint_every == 0 or step == total_steps:
+                    store.save(step, state, data, {"step": step, "config": meta_config})
+                if on_step is not None:
+                    on_step(step, local, metrics)
+            if interrupt.requested:
+                if store.latest_step() != step:
+                    store.save(step, state, data, {"step": step, "config": meta_config})
+                log.message(f"interrupted: saved step {step} in {store.directory}; run the same command to resume")
+                return TrainResult(run_dir, start_step, step, losses, draft_path=None, interrupted=True)
+        finally:
+            log.close()
+            store.close()
+    draft_path = _export(draft_graphdef, state["params"], cfg, run_dir / "draft")
+    return TrainResult(run_dir=run_dir, start_step=start_step, step=step, losses=losses, draft_path=draft_path)
+
+
+def _load_corpus(cfg: TrainConfig, target):
+    """The tokenised corpus of the selected stage and the stage's step count (max_steps or one epoch)."""
+    from train.data import load_corpus, text_encoder
+
+    stage = cfg.current
+    corpus = load_corpus(stage.data, text_encoder(target.tokenizer, target.config), target.config,
+                         text_field=stage.text_field, prompt_field=stage.prompt_field,
+                         response_field=stage.response_field, cache_dir=cfg.data_cache_dir)
+    total_steps = stage.max_steps or corpus.steps_per_epoch(stage.seq_len, stage.batch_size)
+    if total_steps < 1:
+        raise UserError(f"the data ({corpus.num_tokens} tokens) is smaller than one batch of "
+                        f"{stage.batch_size} x {stage.seq_len} tokens: add data or lower batch_size / seq_len")
+    return corpus, total_steps
+
+
+def _batch_layout(cfg: TrainConfig, mesh) -> tuple[int, int]:
+    """(accumulation steps, rows this process loads per step)."""
+    stage = cfg.current
+    dp = sharding.data_parallel_size(mesh)
+    per_micro = stage.micro_batch_size * dp
+    if stage.batch_size % per_micro:
+        raise UserError(f"batch_size={stage.batch_size} is not a multiple of micro_batch_size x data-parallel "
+                        f"devices = {stage.micro_batch_size} x {dp}: change batch_size or micro_batch_size")
+    if stage.batch_size % jax.process_count():
+        raise UserError(f"batch_size={stage.batch_size} does not split over {jax.process_count()} processes")
+    return stage.batch_size // per_micro, stage.batch_size // jax.process_count()
+
+
+def _initial_draft(cfg: TrainConfig, target):
+    from longspec_jax.draft_io import init_draft, load_draft
+
+    previous = Path(cfg.output_dir) / f"stage{cfg.stage - 1}" / "draft"
+    if cfg.stage > 1 and previous.is_dir():
+        return load_draft(previous, target)
+    return init_draft(target, cfg.seed)
+
+
+def _export(draft_graphdef, params, cfg: TrainConfig, path: Path) -> Path | None:
+    """Write the trained draft in the compute dtype with Draft.save (process 0)."""
+    from longspec_jax.draft_io import Draft
+
+    host = multihost_utils.process_allgather(params, tiled=True)  # every process holds all of it
+    if jax.process_index() != 0:
+        return None
+    return Draft(nnx.merge(draft_graphdef, host)).cast(jnp.dtype(cfg.compute_dtype)).save(path)
+
+
+# What must not change between a checkpoint and its resumption for the run to continue exactly.
+RESUME_FIELDS = ("model", "seed", "stage", "gamma", "num_anchors")
+RESUME_STAGE_FIELDS = ("data", "seq_len", "batch_size", "lr", "anchor_offset", "max_offset", "max_steps",
+                       "text_field", "prompt_field", "response_field")
+
+
+def _check_resumable(store: CheckpointStore, cfg: TrainConfig) -> None:
+    saved = store.meta(store.latest_step())
+    now = _jsonable(dataclasses.asdict(cfg))
+    pairs = [(k, saved["config"][k], now[k]) for k in RESUME_FIELDS]
+    before, after = saved["config"]["stages"][cfg.stage - 1], now["stages"][cfg.stage - 1]
+    pairs += [(k, before[k], after[k]) for k in RESUME_STAGE_FIELDS]
+    changed = [(k, a, b) for k, a, b in pairs if a != b]
+    if changed:
+        key, a, b = changed[0]
+        raise UserError(f"the checkpoint in {store.directory} was made with {key}={a}, this run has {key}={b}: "
+                        "use the same config to resume, or a new output_dir (--set output_dir=...) to start afresh")
+
+
+def _shape_fields(model) -> tuple:
+    return (model.vocab_size, model.hidden_size, model.intermediate_size, model.num_layers, model.num_heads,
+            model.num_kv_heads, model.head_dim)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
