@@ -37,6 +37,20 @@ def test_sft_records_train_on_the_response_only(tmp_path):
     assert c.num_tokens == 7
 
 
+def test_gzipped_jsonl_reads_like_plain_jsonl(tmp_path):
+    import gzip
+
+    records = [{"text": "alpha beta"}, {"text": "gamma"}]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "packed").mkdir()
+    plain = write_jsonl(tmp_path / "plain" / "a.jsonl", records)
+    packed = tmp_path / "packed"
+    with gzip.open(packed / "a.jsonl.gz", "wt") as f:
+        f.write(plain.read_text())
+    assert [p.name for p in find_files([str(packed)])] == ["a.jsonl.gz"]
+    assert corpus(tmp_path, [packed]).records[:] == corpus(tmp_path, [plain]).records[:]
+
+
 def test_plain_text_trains_on_everything_after_bos(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"body": "abc"}, {"body": ""}])
     c = corpus(tmp_path, [path], text_field="body")

@@ -28,6 +28,14 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet",
            ".txt": "text", ".md": "text", ".rst": "text", ".py": "text"}
 
 
+def data_format(path: Path) -> str | None:
+    """The `datasets` loader for a file, looking through a .gz suffix (datasets reads gzip itself)."""
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return FORMATS.get(suffixes[-1]) if suffixes else None
+
+
 class TextEncoder(Protocol):
     bos: list[int]  # what starts every document (the BOS the target's tokenizer adds, if any)
 
@@ -93,8 +101,8 @@ def find_files(paths: tuple[str, ...] | list[str]) -> list[Path]:
         if not p.exists():
             raise UserError(f"data path {p} does not exist: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)")
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FORMATS)
-        elif p.suffix.lower() in FORMATS:
+            files += sorted(f for f in p.rglob("*") if f.is_file() and data_format(f))
+        elif data_format(p):
             files.append(p)
         else:
             raise UserError(f"data file {p}: unknown format {p.suffix!r}; use one of {', '.join(sorted(FORMATS))}")
@@ -113,8 +121,8 @@ def load_corpus(paths, encoder: TextEncoder, model: ModelConfig, *, text_field="
     if not eos:
         raise UserError("the target config names no eos_token_id: documents could not be separated")
     parts = []
-    for fmt in sorted({FORMATS[f.suffix.lower()] for f in files}):
-        chosen = [str(f) for f in files if FORMATS[f.suffix.lower()] == fmt]
+    for fmt in sorted({data_format(f) for f in files}):
+        chosen = [str(f) for f in files if data_format(f) == fmt]
         kwargs = {"sample_by": "document"} if fmt == "text" else {}
         raw = datasets.load_dataset(fmt, data_files=chosen, split="train", cache_dir=cache_dir, **kwargs)
         columns = set(raw.column_names)
