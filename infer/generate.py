@@ -1,0 +1,169 @@
+"""Generate text from a prompt file: `python -m infer.generate --prompt-file examples/doc.txt`.
+
+Prints the text (streamed when stdout is a terminal) and then one stats line on stderr; `--json`
+prints one JSON object {tokens, text, stats} instead. Without --target it runs the embedded
+SmolLM2-135M-Instruct. Mistakes a user can fix print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from longspec_jax.attention import IMPLS
+from longspec_jax.draft_io import load_draft
+from longspec_jax.errors import UserError
+from longspec_jax.generation import DEFAULT_MODE, MODES, Generator
+from longspec_jax.target import load_target
+from longspec_jax.tokenizer import decode, encode_prompt
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
+    p.add_argument("--target", help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="LongSpec draft checkpoint (mode longspec)")
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help=f"decoding mode (default {DEFAULT_MODE})")
+    p.add_argument("--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object {tokens, text, stats}")
+    p.add_argument("--profile", action="store_true", help="also print per-step timings")
+    p.add_argument("--attn-impl", choices=IMPLS, help="attention implementation (default: the fastest for the backend)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    return p
+
+
+def read_prompt(path: Path) -> str:
+    if not path.is_file():
+        raise UserError(f"prompt file {path} does not exist or is not a file: pass an existing text file to --prompt-file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"prompt file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+            "convert it, e.g. `iconv -t UTF-8`"
+        ) from None
+    if not text.strip():
+        raise UserError(f"prompt file {path} is empty: put the prompt text in it")
+    return text
+
+
+def parse_tree_widths(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise UserError(f"--tree-widths must be comma-separated positive integers such as 4,16,16,16,16, got {text!r}")
+    return widths
+
+
+class TerminalOutput:
+    """Streams text to stdout, or shows a progress bar on stderr, as the generate loop reports tokens."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, *, stream_text: bool, show_progress: bool):
+        self.tokenizer = tokenizer
+        self.stream_text = stream_text
+        self.printed = ""
+        self.bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", file=sys.stderr, leave=False)
+
+    @property
+    def active(self) -> bool:
+        return self.stream_text or self.bar is not None
+
+    def __call__(self, tokens_so_far: list[list[int]]) -> None:
+        tokens = tokens_so_far[0]
+        if self.bar is not None:
+            self.bar.update(len(tokens) - self.bar.n)
+        if self.stream_text:
+            text = decode(self.tokenizer, tokens)
+            # Detokenisation can revise the last characters; print only the stable extension.
+            if text.startswith(self.printed):
+                sys.stdout.write(text[len(self.printed):])
+                sys.stdout.flush()
+                self.printed = text
+
+    def finish(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.stream_text:
+            sys.stdout.write(text[len(self.printed):] if text.startswith(self.printed) else "\n" + text)
+            sys.stdout.write("\n")
+        else:
+            print(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    text = read_prompt(args.prompt_file)
+    tree_widths = parse_tree_widths(args.tree_widths)
+    if args.draft and args.mode != "longspec":
+        raise UserError("--draft applies to --mode longspec only: drop it or pass --mode longspec")
+    if tree_widths and args.mode == "ar":
+        raise UserError("--tree-widths applies to --mode longspec or pld only: drop it or pick one of those modes")
+
+    tty_err = sys.stderr.isatty()
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if tty_err:
+        print(f"loading target {args.target or '(embedded SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
+    target = load_target(args.target, dtype=dtype)
+    if target.tokenizer is None:
+        raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
+    draft = load_draft(args.draft, target) if args.draft else None
+    prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
+    generator = Generator(target, draft, mode=args.mode, attn_impl=args.attn_impl, tree_widths=tree_widths)
+
+    stream_text = not args.json and sys.stdout.isatty()
+    # Streamed text already shows progress; a bar on the same terminal would garble it.
+    out = TerminalOutput(target.tokenizer, args.max_new_tokens, stream_text=stream_text, show_progress=tty_err and not stream_text)
+    if tty_err:
+        print(f"prefill {len(prompt_ids)} tokens (the first run of a length bucket also compiles) ...", file=sys.stderr)
+    result = generator.generate(
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stream=out if out.active else None,
+        profile=args.profile,
+    )
+    if args.json:
+        print(json.dumps({"tokens": result.tokens[0], "text": result.text[0], "stats": result.stats.to_dict()}))
+        return 0
+    out.finish(result.text[0])
+    print(result.stats.line(), file=sys.stderr)
+    if args.profile:
+        print("profile: " + ", ".join(f"{k} {v:.3f}" for k, v in result.stats.profile.items()), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Sampling rules: temperature, top-k and top-p as one exact transform of logits, plus the picks.
+
+`filtered_log_probs` returns the log-probabilities of the distribution a token is actually drawn
+from. AR decoding samples from it, and speculative acceptance (acceptance.py) samples from the same
+function at every tree node, which is what makes sampled speculative output exactly distributed as
+AR output. The rules, applied in this order to float32 logits [..., V]:
+
+1. temperature T > 0: logits / T.  T == 0 means greedy: the distribution is the point mass on
+   `greedy_pick` (argmax; ties go to the lowest token id), whatever top-k / top-p say.
+2. top-k (k > 0): keep every token whose scaled logit is >= the k-th largest one. Tokens tied with
+   the k-th value are all kept, so the kept set never depends on sort order (it can exceed k only
+   through exact ties). k >= V keeps everything.
+3. top-p (p < 1): on the probabilities after step 2, keep the smallest set of most likely tokens
+   whose mass is >= p, plus every token tied with the least likely kept one (same reason). The most
+   likely token is always kept.
+
+The kept logits are renormalised (log-softmax); removed tokens get -inf.
+
+Values may be traced arrays, so changing temperature / top-k / top-p does not recompile;
+`SamplingParams` carries them plus static flags that switch whole stages on or off (a stage that is
+off costs nothing, in particular no sort over the vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from longspec_jax.errors import UserError
+
+
+@struct.dataclass
+class SamplingParams:
+    """Sampling settings as a pytree: values are float32 / int32 scalars, flags are static."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    greedy: bool = struct.field(pytree_node=False)
+    use_top_k: bool = struct.field(pytree_node=False)
+    use_top_p: bool = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
+        """Validated settings; temperature 0 = greedy, top_k 0 = off, top_p 1 = off."""
+        temperature, top_p = float(temperature), float(top_p)
+        if not math.isfinite(temperature) or temperature < 0:
+            raise UserError(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
+        if int(top_k) != top_k or top_k < 0:
+            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        greedy = temperature == 0.0
+        return cls(
+            temperature=jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
+            top_k=jnp.asarray(int(top_k), jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            greedy=greedy,
+            use_top_k=not greedy and top_k > 0,
+            use_top_p=not greedy and top_p < 1.0,
+        )
+
+
+def top_k_filter(logits: jax.Array, k) -> jax.Array:
+    """logits [..., V] with every token below the k-th largest set to -inf (ties with it kept).
+    k: int or int32 scalar array; k <= 0 keeps everything."""
+    vocab = logits.shape[-1]
+    k = jnp.asarray(k, jnp.int32)
+    descending = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)[..., None]
+    keep = (logits >= kth) | (k <= 0)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def top_p_filter(logits: jax.Array, p) -> jax.Array:
+    """logits [..., V] reduced to the smallest most-likely set with probability mass >= p (plus ties
+    with its least likely member); others -inf. p: float or float32 scalar array in (0, 1]."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    descending = -jnp.sort(-probs, axis=-1)
+    mass_before = jnp.cumsum(descending, axis=-1) - descending
+    # Position i (in descending order) is needed while the mass of the ones before it is < p.
+    n_keep = jnp.maximum(jnp.sum(mass_before < p, axis=-1, keepdims=True), 1)
+    threshold = jnp.take_along_axis(descending, n_keep - 1, axis=-1)
+    return jnp.where(probs >= threshold, logits, -jnp.inf)
+
+
+def filtered_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """float32 log-probabilities [..., V] of the distribution tokens are drawn from (module doc)."""
+    logits = logits.astype(jnp.float32)
+    if params.greedy:
+        one_hot = jax.nn.one_hot(greedy_pick(logits), logits.shape[-1], dtype=bool)
+        return jnp.where(one_hot, 0.0, -jnp.inf)
+    scaled = logits / params.temperature
+    if params.use_top_k:
+        scaled = top_k_filter(scaled, params.top_k)
+    if params.use_top_p:
+        scaled = top_p_filter(scaled, params.top_p)
+    return jax.nn.log_softmax(scaled, axis=-1)
+
+
+def greedy_pick(logits: jax.Array) -> jax.Array:
+    """int32 argmax over the last axis; ties go to the lowest token id."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def sample(key: jax.Array, log_probs: jax.Array) -> jax.Array:
+    """One int32 token per row of log_probs [..., V] (rows are drawn independently)."""
+    return jax.random.categorical(key, log_probs, axis=-1).astype(jnp.int32)
+
+
+def pick_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The next token for each row of logits [..., V]: argmax when greedy, else a sample from
+    `filtered_log_probs`. The key is unused when greedy."""
+    if params.greedy:
+        return greedy_pick(logits)
+    return sample(key, filtered_log_probs(logits, params))

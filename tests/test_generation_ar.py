@@ -1,0 +1,138 @@
+"""AR generation (generation.py) on tiny random float32 targets against step-by-step full forwards."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from longspec_jax.errors import UserError
+from longspec_jax.generation import Generator, bucket_length, generate
+from longspec_jax.target import random_target
+from tests.tiny_models import tiny_config
+
+
+def sharpened(target, scale=10.0):
+    """Scale every matrix (std 0.02 -> 0.2) so logits are O(1) and argmax margins are not rounding noise."""
+    _, params = nnx.split(target.model)
+    nnx.update(target.model, jax.tree.map(lambda x: x * scale if x.ndim == 2 else x, params))
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpened(random_target(tiny_config(), seed=0, dtype="float32"))
+
+
+def greedy_reference(target, prompt, n):
+    """Greedy continuation by argmax of forward_logits over the whole sequence, one token at a time.
+    The sequence is right-padded to one length (causal: padding after a position cannot change
+    its logits) so forward_logits compiles once."""
+    seq = list(prompt)
+    padded_len = len(prompt) + n
+    for _ in range(n):
+        padded = seq + [0] * (padded_len - len(seq))
+        logits = np.asarray(target.forward_logits(jnp.asarray([padded])))[0, len(seq) - 1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, "near-tie: the comparison would test rounding, pick another seed"
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+PROMPT_A = [5, 17, 3, 99, 42]
+PROMPT_B = [7, 1, 64, 8, 23, 11, 90, 31, 2, 55, 6]
+
+
+def test_greedy_equals_argmax_of_full_forward(target):
+    result = generate(target, PROMPT_A, max_new_tokens=9, eos_token_ids=())
+    assert result.tokens == [greedy_reference(target, PROMPT_A, 9)]
+    assert result.stats.new_tokens == 9 and result.stats.rounds == 8 and result.stats.tau == 1.0
+    assert result.stats.target_cache_bytes > 0 and result.stats.draft_cache_bytes == 0
+
+
+def test_batch_of_different_lengths_equals_each_alone(target):
+    together = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=9, eos_token_ids=()).tokens
+    alone = [generate(target, p, max_new_tokens=9, eos_token_ids=()).tokens[0] for p in (PROMPT_A, PROMPT_B)]
+    assert together == alone
+
+
+def test_eos_truncates_and_max_new_tokens_is_exact(target):
+    free = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=11, eos_token_ids=()).tokens
+    assert [len(t) for t in free] == [11, 11]
+    # An EOS id that sequence A emits first at index 3 (and B, if at all, elsewhere).
+    eos = free[0][3]
+    assert eos not in free[0][:3]
+    cut = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=11, eos_token_ids=(eos,)).tokens
+    assert cut[0] == free[0][:4]
+    b_end = free[1].index(eos) + 1 if eos in free[1] else 11
+    assert cut[1] == free[1][:b_end]
+    assert generate(target, PROMPT_A, max_new_tokens=1, eos_token_ids=()).tokens == [free[0][:1]]
+
+
+def test_streaming_gives_the_same_tokens_in_growing_prefixes(target):
+    seen = []
+    result = generate(target, PROMPT_B, max_new_tokens=10, eos_token_ids=(), stream=seen.append, stream_every=3)
+    assert len(seen) >= 3
+    assert all(s[0] == result.tokens[0][: len(s[0])] for s in seen) and seen[-1] == result.tokens
+    assert result.tokens == generate(target, PROMPT_B, max_new_tokens=10, eos_token_ids=()).tokens
+
+
+def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
+    gen = Generator(target)
+    gen.generate([1, 2, 3], max_new_tokens=5, temperature=0.9, top_p=0.8, seed=1)
+    again = gen.generate([4, 5, 6, 7, 8, 9], max_new_tokens=7, temperature=0.5, top_p=0.9, seed=2, profile=True)
+    assert again.stats.compile_s == 0.0
+    assert set(again.stats.profile) == {"step_in_loop_ms", "step_alone_ms"}
+
+
+def test_sampling_is_reproducible_per_seed(target):
+    run = lambda seed: generate(target, PROMPT_A, max_new_tokens=8, temperature=1.0, top_p=0.95, seed=seed).tokens
+    assert run(3) == run(3)
+    assert len({tuple(run(s)[0]) for s in range(4)}) > 1
+
+
+def test_first_token_distribution_matches_the_filtered_softmax():
+    vocab, temperature, top_k = 8, 0.7, 6
+    target = sharpened(random_target(tiny_config(vocab_size=vocab, eos_token_ids=()), seed=1, dtype="float32"), 5.0)
+    prompt = [1, 5, 2, 7]
+    logits = np.asarray(target.forward_logits(jnp.asarray([prompt])), np.float64)[0, -1] / temperature
+    logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    draws = np.concatenate([
+        np.asarray(generate(target, [prompt] * 400, max_new_tokens=1, temperature=temperature, top_k=top_k, seed=s).tokens)[:, 0]
+        for s in range(5)
+    ])
+    counts = np.bincount(draws, minlength=vocab)
+    assert counts[p == 0].sum() == 0
+    n = len(draws)
+    expected = n * p[p > 0]
+    assert expected.min() > 5, "too few expected draws per token for a chi-square test"
+    chi2 = np.sum((counts[p > 0] - expected) ** 2 / expected)
+    assert chi2 < 20.5  # the 99.9% quantile of chi-square with 5 degrees of freedom
+
+
+def test_bad_inputs_raise_user_errors(target, monkeypatch):
+    with pytest.raises(UserError, match="empty prompt"):
+        generate(target, [], max_new_tokens=4)
+    with pytest.raises(UserError, match="empty prompt"):
+        generate(target, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(UserError, match="context window is 512: shorten the prompt to at most 412"):
+        generate(target, [1] * 450, max_new_tokens=100)
+    with pytest.raises(UserError, match="max_new_tokens"):
+        generate(target, [1, 2], max_new_tokens=0)
+    with pytest.raises(UserError, match="outside the target's vocabulary"):
+        generate(target, [1, 128], max_new_tokens=2)
+    with pytest.raises(UserError, match="no tokenizer"):
+        generate(target, "text needs a tokenizer", max_new_tokens=2)
+    with pytest.raises(UserError, match="unknown mode"):
+        generate(target, [1, 2], mode="beam", max_new_tokens=2)
+    monkeypatch.setitem(sys.modules, "longspec_jax.speculative", None)  # as if the engine were absent
+    with pytest.raises(UserError, match="mode 'longspec' needs"):
+        generate(target, [1, 2], mode="longspec", max_new_tokens=2)
+
+
+def test_bucket_lengths():
+    assert [bucket_length(n) for n in (1, 16, 17, 200, 256, 257, 4000)] == [16, 16, 32, 256, 256, 512, 4096]
