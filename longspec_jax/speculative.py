@@ -257,7 +257,9 @@ def spec_start(params, draft_params, cache, prompt_tokens, prompt_lengths, last_
     model = nnx.merge(graphdef, params)
     b, prompt_bucket = prompt_tokens.shape
     first = pick_token(jax.random.fold_in(key, 0), last_logits, sampling)
-    history = jnp.zeros((b, prompt_bucket + config.new_bucket + num_nodes(config.tree_widths)), jnp.int32)
+    # As long as the cache (which holds prompt, output and tree), so the loop's shapes depend on the
+    # cache bucket alone and prompts of any length up to it share one compiled loop.
+    history = jnp.zeros((b, cache.max_len), jnp.int32)
     history = _write_rows(history.at[:, :prompt_bucket].set(prompt_tokens), first[:, None], prompt_lengths)
     if drafter is None:
         draft_state = ()
