@@ -1,5 +1,7 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
-PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo /root/.pyenv/versions/3.12.1/bin/python3.12)
+# The first interpreter that runs and is >= 3.12 (a pyenv shim may exist and still fail).
+PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12.1/bin/python3.12 python3; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
