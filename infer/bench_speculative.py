@@ -7,8 +7,11 @@ For each target shape and context S (tokens already in the target cache, zeros: 
 matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
   - round: `speculative.spec_decode` (the on-device while_loop `generate` uses) over --rounds
     rounds, per round;
-  - draft / verify / accept: the round's three parts, each its own jitted program
-    (`speculative.profile_round`): the paper's Table 5 analogue;
+  - draft / verify / accept: the round's three parts, each its own jitted program run back to
+    back on the loop's state with the cache donated (updated in place, as in the loop;
+    `speculative.profile_round`): the paper's Table 5 analogue. "parts" is their sum per round,
+    printed next to the round so the two can be seen to agree (the parts add a host dispatch and
+    sync each, ~0.1 ms on a GPU, and lose fusion across their boundaries);
   - AR: `generation.ar_decode` per step at the same context.
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
 the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
@@ -62,6 +65,7 @@ class Row:
     draft_ms: float = float("nan")
     verify_ms: float = float("nan")
     accept_ms: float = float("nan")
+    parts_sum_ms: float = float("nan")
     ar_ms: float = float("nan")
     draft_cache_mib: float = float("nan")
     error: str = ""
@@ -80,10 +84,12 @@ def longspec_state(target, graphdef, params, drafter, draft_params, *, context, 
 
 
 def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl):
-    """(ms per round in the loop, {draft_ms, verify_ms, accept_ms}, draft state bytes)."""
+    """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes)."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
-    config = LoopConfig(mode="longspec", tree_widths=widths, new_bucket=bucket_length((rounds + 1) * (len(widths) + 1)), attn_impl=impl)
+    # Room for the timed loop's rounds and for profile_round's repeats + 1 rounds, each from a fresh state.
+    most_rounds = max(rounds, repeats + 1)
+    config = LoopConfig(mode="longspec", tree_widths=widths, new_bucket=bucket_length((most_rounds + 1) * (len(widths) + 1)), attn_impl=impl)
     drafter, draft_params = drafter_for(draft, widths)
     make = lambda: longspec_state(
         target, graphdef, params, drafter, draft_params, context=context, batch=batch, widths=widths,
@@ -97,8 +103,7 @@ def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, r
         state, seconds = timed(decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
         per_round.append(seconds / rounds)
         del state
-    state = make()
-    parts = profile_round(graphdef, params, drafter, draft_params, state, sampling, config, repeats=repeats)
+    parts, state = profile_round(graphdef, params, drafter, draft_params, make(), sampling, config, repeats=repeats)
     return 1e3 * statistics.median(per_round[1:]), parts, cache_bytes(state.draft_state)
 
 
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     rounds=rounds, repeats=args.repeats, impl=args.impl,
                 )
                 row.draft_ms, row.verify_ms, row.accept_ms = parts["draft_ms"], parts["verify_ms"], parts["accept_ms"]
+                row.parts_sum_ms = parts["parts_sum_ms"]
                 row.draft_cache_mib = draft_bytes / 2**20
                 row.ar_ms = bench_ar(target, graphdef, params, context=context, batch=args.batch, steps=rounds, repeats=args.repeats, impl=args.impl)
             except Exception as e:  # out of memory at a long context is a row, not a crash
@@ -168,13 +174,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
     print(f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
           f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured.")
-    print(f"{'shape':<11}{'context':>8}{'round ms':>10}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
+    print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
+    print(f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
           f"{'proj. x':>9}{'draft MiB':>11}")
     for r in rows:
         if r.error:
             print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
             continue
-        print(f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
+        print(f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
               f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}")
     return rows
 

@@ -386,7 +386,7 @@ class Generator:
         if self.mode == "ar":
             result = self._generate_ar(prompts, request)
         else:
-            result = _speculative_engine(self.mode).run(self, prompts, request)
+            result = _speculative_engine().run(self, prompts, request)
         tokenizer = self.target.tokenizer
         if tokenizer is not None and result.text is None:
             result.text = [decode(tokenizer, t) for t in result.tokens]
@@ -473,16 +473,9 @@ def make_stats(*, prefill_s, decode_s, tokens, rounds, tau, target_cache_bytes, 
     )
 
 
-def _speculative_engine(mode: str):
-    try:
-        from longspec_jax import speculative
-    except ModuleNotFoundError as e:
-        if e.name != "longspec_jax.speculative":
-            raise
-        raise UserError(
-            f"mode {mode!r} needs the speculative engine (longspec_jax/speculative.py), which this build "
-            "does not have yet: use mode='ar' (CLI: --mode ar)"
-        ) from None
+def _speculative_engine():
+    from longspec_jax import speculative  # imported late: it builds on this module
+
     return speculative
 
 

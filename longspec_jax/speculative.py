@@ -300,37 +300,64 @@ def output_tokens(state: SpecState, new_bucket: int) -> tuple[jax.Array, jax.Arr
 
 
 # ----------------------------------------------------------------------------- profiling
+# The round's three parts as separate programs, run back to back on the loop's own state. Each
+# donates the buffers it updates (draft state, target cache, the whole state at acceptance) and
+# gets its own output back as the next input, so, as inside the loop, the multi-GB target cache
+# is updated in place and never copied: the parts' times add up to the round's.
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "config"))
-def _profile_propose(params, draft_params, state, *, graphdef, drafter, config):
+@functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "config"), donate_argnames=("draft_state",))
+def _profile_propose(params, draft_params, state, draft_state, *, graphdef, drafter, config):
+    """state: the loop's state without its draft state (read only: the cache is not written)."""
+    state = state.replace(draft_state=draft_state)
     return _propose(drafter, draft_params, nnx.merge(graphdef, params), state, config)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
 def _profile_verify(params, tree, cache, *, graphdef, config):
     return _verify(nnx.merge(graphdef, params), tree, cache, config)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _profile_accept(state, tree, logits, cache, draft_state, sampling, *, config):
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _profile_accept(state, tree, logits, sampling, *, config):
+    """state: holds the verified cache and the proposal's draft state."""
     acc = _accept(tree, logits, sampling, jax.random.fold_in(state.key, state.rounds + 1))
-    return _finish_round(state, acc, cache, draft_state, config.depth)
+    return _finish_round(state, acc, state.cache, state.draft_state, config.depth)
 
 
-def profile_round(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 5) -> dict[str, float]:
-    """Median milliseconds of a round's draft / verify / accept parts, each its own program, run
-    from the given state, which is left untouched (in the loop the parts run back to back; these
-    show where the time goes)."""
-    kw = dict(graphdef=graphdef, config=config)
-    propose = lambda: _profile_propose(params, draft_params, state, drafter=drafter, **kw)
-    tree, draft_state = jax.block_until_ready(propose())
-    verify = lambda: _profile_verify(params, tree, state.cache, **kw)
-    logits, cache = jax.block_until_ready(verify())
-    accept = lambda: _profile_accept(state, tree, logits, cache, draft_state, sampling, config=config)
-    jax.block_until_ready(accept())
-    median_ms = lambda fn: 1e3 * statistics.median(timed(fn)[1] for _ in range(repeats))
-    return {"draft_ms": median_ms(propose), "verify_ms": median_ms(verify), "accept_ms": median_ms(accept)}
+def profile_round_parts(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig):
+    """One round as its three programs -> ((draft, verify, accept) seconds, the next state).
+    Consumes `state` (its buffers are donated); the result is the state `spec_decode` reaches
+    after one round from it."""
+    rest = state.replace(draft_state=None)
+    (tree, draft_state), draft_s = timed(
+        functools.partial(_profile_propose, graphdef=graphdef, drafter=drafter, config=config),
+        params, draft_params, rest, state.draft_state,
+    )
+    (logits, cache), verify_s = timed(
+        functools.partial(_profile_verify, graphdef=graphdef, config=config), params, tree, rest.cache
+    )
+    state, accept_s = timed(
+        functools.partial(_profile_accept, config=config),
+        rest.replace(cache=cache, draft_state=draft_state), tree, logits, sampling,
+    )
+    return (draft_s, verify_s, accept_s), state
+
+
+def profile_round(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 5) -> tuple[dict[str, float], SpecState]:
+    """Median milliseconds of a round's draft / verify / accept parts over `repeats` rounds after
+    one warm-up round (which compiles), each part its own program, and their sum per round.
+    -> (times, the state after repeats + 1 rounds). Consumes `state`. The rounds advance the state
+    as the loop would, so the cache needs room for repeats + 1 more rounds unless all are done."""
+    times = []
+    for _ in range(repeats + 1):
+        seconds, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config)
+        times.append(seconds)
+    median_ms = lambda values: 1e3 * statistics.median(values)
+    draft_s, verify_s, accept_s = zip(*times[1:])
+    parts = {"draft_ms": median_ms(draft_s), "verify_ms": median_ms(verify_s), "accept_ms": median_ms(accept_s)}
+    parts["parts_sum_ms"] = median_ms([sum(t) for t in times[1:]])
+    return parts, state
 
 
 # ----------------------------------------------------------------------------- entry
@@ -418,7 +445,7 @@ def run_with_drafter(generator, prompts, request, widths, drafter, draft_params)
     rounds, emitted, active = (int(x) for x in jax.device_get((state.rounds, state.emitted, state.active_rounds)))
     profile = {}
     if request.profile:
-        profile = profile_round(generator.graphdef, generator.params, drafter, draft_params, state, request.sampling, config)
+        profile, state = profile_round(generator.graphdef, generator.params, drafter, draft_params, state, request.sampling, config)
         profile["round_in_loop_ms"] = 1e3 * decode_s / max(rounds, 1)
     return GenerationResult(
         tokens=out_tokens,

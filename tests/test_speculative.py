@@ -21,7 +21,15 @@ from longspec_jax.errors import UserError
 from longspec_jax.generation import SMALL_BUCKETS_UP_TO, DecodeRequest, Generator, StopRule, cache_bytes, compiled, generate, prefill
 from longspec_jax.model import init_cache
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
-from longspec_jax.speculative import LoopConfig, drafter_for, propose_longspec, run_with_drafter, spec_decode, spec_start
+from longspec_jax.speculative import (
+    LoopConfig,
+    drafter_for,
+    profile_round,
+    propose_longspec,
+    run_with_drafter,
+    spec_decode,
+    spec_start,
+)
 from longspec_jax.target import random_target
 from longspec_jax.tree import node_depths
 from tests.tiny_models import tiny_config
@@ -249,6 +257,55 @@ def test_bad_inputs_raise_user_errors(target):
 # --- the draft's wiring inside a round -----------------------------------------------------------
 
 
+def loop_start(target, prompts, draft):
+    """The loop's initial greedy state after prefill of `prompts` (bucket 16), with the programs
+    `generate` compiled for `random_draft_result` (same shapes and statics)."""
+    graphdef, params = nnx.split(target.model)
+    drafter, draft_params = drafter_for(draft, WIDTHS)
+    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    tokens = np.zeros((2, 16), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+    run_prefill, _ = compiled(prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla")
+    last_logits, cache = run_prefill(params, tokens, lengths)
+    start_args = (params, draft_params, cache, tokens, lengths, last_logits, SamplingParams.create(), jax.random.key(0), StopRule.create((), MAX_NEW))
+    start, _ = compiled(spec_start, *start_args, graphdef=graphdef, drafter=drafter, config=config)
+    return start(*start_args)
+
+
+def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, prompts, draft, random_draft_result):
+    """profile_round runs rounds as three programs: they must reach the state the loop reaches
+    (same tokens, cache, draft state) and consume the buffers they update: JAX deletes a donated
+    input only when the program really reuses it for an output, so the target cache was written in
+    place, not copied (a copy per part made the parts outweigh the round on the H200)."""
+    graphdef, params = nnx.split(target.model)
+    drafter, draft_params = drafter_for(draft, WIDTHS)
+    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    sampling = SamplingParams.create()
+    repeats = 2  # + 1 warm-up round
+
+    looped = loop_start(target, prompts, draft)
+    stop_at = jnp.asarray(repeats + 1, jnp.int32)
+    decode, _ = compiled(spec_decode, params, draft_params, looped, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config)
+    looped = decode(params, draft_params, looped, stop_at, sampling)
+
+    state = loop_start(target, prompts, draft)
+    donated = jax.tree.leaves((state.cache, state.draft_state, state.history))
+    parts, profiled = profile_round(graphdef, params, drafter, draft_params, state, sampling, config, repeats=repeats)
+
+    assert all(x.is_deleted() for x in donated)
+    assert set(parts) == {"draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"}
+    assert all(np.isfinite(v) and v > 0 for v in parts.values())
+    assert int(profiled.rounds) == int(looped.rounds) == repeats + 1
+    for name in ("history", "n_new", "n_pending", "done", "emitted", "active_rounds"):
+        np.testing.assert_array_equal(getattr(profiled, name), getattr(looped, name), err_msg=name)
+    np.testing.assert_array_equal(profiled.cache.lengths, looped.cache.lengths)
+    assert int(looped.emitted) >= 2 * (repeats + 1)  # every round emitted for both sequences
+    for got, want in zip(jax.tree.leaves((profiled.cache, profiled.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=1e-5, rtol=1e-5)
+
+
 def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prompts, draft, random_draft_result):
     """After two rounds (ring of 8 slots already wrapped, per-sequence lengths), every tree node's
     cumulative draft log-prob == the sum along its chain of the draft's full-sequence forward, where
@@ -259,15 +316,7 @@ def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prom
     config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
     statics = dict(graphdef=graphdef, drafter=drafter, config=config)
     sampling = SamplingParams.create()
-    tokens = np.zeros((2, 16), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = p
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
-    run_prefill, _ = compiled(prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla")
-    last_logits, cache = run_prefill(params, tokens, lengths)
-    start_args = (params, draft_params, cache, tokens, lengths, last_logits, sampling, jax.random.key(0), StopRule.create((), MAX_NEW))
-    start, _ = compiled(spec_start, *start_args, **statics)
-    state = start(*start_args)
+    state = loop_start(target, prompts, draft)
     stop_at = jnp.asarray(2, jnp.int32)
     decode, _ = compiled(spec_decode, params, draft_params, state, stop_at, sampling, **statics)
     state = decode(params, draft_params, state, stop_at, sampling)

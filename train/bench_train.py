@@ -3,8 +3,17 @@
 and sharded (FSDP) over 2 GPUs, with the 2-GPU / 1-GPU scaling ratio. Prints a table last.
 
     python -m train.bench_train              # on the GPU machine (each case in a fresh process)
-    python -m train.bench_train --seqs 16384 --devices 2   # a subset (each case compiles a 7B step)
+    python -m train.bench_train --seqs 1024 --out train_1024.jsonl     # a subset per call, saved
+    python -m train.bench_train --seqs 16384 --out train_16384.jsonl
+    python -m train.bench_train --merge train_1024.jsonl train_16384.jsonl   # the table of both
     python -m train.bench_train --small      # CPU smoke test: tiny shapes, in one process
+
+Each case runs in its own process under --case-timeout seconds (default 240: building the 7B
+target, compiling its step and running it take minutes); its JSON line is printed (and appended to
+--out) as soon as it ends, so a later case that times out loses nothing already measured. A case
+reports its build, compile and warm-up seconds apart from the step time: 1 warm-up step (the first
+run of the compiled step with donated buffers), then --steps timed ones. --out file names may hold
+only letters, digits, '.', '_' and '-' (the GPU machine's file transfer drops other characters).
 
 Uses no data pipeline (random tokens, fresh each step), so it needs neither grain nor datasets.
 MFU counts the step's useful matmul FLOPs (target forward without LM head and last attention/MLP;
@@ -17,10 +26,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,6 +39,7 @@ from flax import nnx
 
 from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftBlock
+from longspec_jax.errors import UserError
 from longspec_jax.model import Transformer
 from train import sharding
 from train.configs import tiny, vicuna7b
@@ -63,9 +75,15 @@ def _random_module_state(make, mesh):
     return graphdef, state
 
 
+def _progress(message: str) -> None:
+    """A phase line on stderr: when a case is killed by its time limit, the last one says where."""
+    print(f"# {message}", file=sys.stderr, flush=True)
+
+
 def measure(model: ModelConfig, case: Case, *, steps: int, dtype: str, max_offset: int) -> dict:
     import optax
 
+    t0 = time.perf_counter()
     mesh = sharding.make_mesh((1, -1, 1), jax.devices()[: case.devices])
     target_graphdef, target_params = _random_module_state(
         lambda: Transformer(model, dtype=dtype, rngs=nnx.Rngs(0)), mesh)
@@ -73,33 +91,42 @@ def measure(model: ModelConfig, case: Case, *, steps: int, dtype: str, max_offse
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(1e-4, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.1))
     state = init_state(nnx.to_pure_dict(draft_params), optimizer, mesh)
+    jax.block_until_ready((target_params, state))
+    build_s = time.perf_counter() - t0
+    _progress(f"seq {case.seq_len}, {case.devices} device(s): target + draft built in {build_s:.1f} s")
+
     sc = StepConfig(gamma=5, anchor_offset=case.seq_len <= max_offset, num_anchors=4, max_offset=max_offset,
                     compute_dtype=dtype, attn_impl=_attn_impl(), loss_chunk_tokens=1024)
-    step_fn = compile_step(target_graphdef, draft_graphdef, optimizer, sc, mesh, target_params, state)
     rows = case.micro_batch * case.devices
     rng = np.random.default_rng(0)
 
     def fresh_batch():
         tokens = rng.integers(0, model.vocab_size, (1, rows, case.seq_len), dtype=np.int32)
-        return sharding.global_batch({"tokens": tokens, "loss_mask": np.ones_like(tokens)}, mesh)
+        return jax.block_until_ready(sharding.global_batch({"tokens": tokens, "loss_mask": np.ones_like(tokens)}, mesh))
+
+    t0 = time.perf_counter()
+    step_fn = compile_step(target_graphdef, draft_graphdef, optimizer, sc, mesh, target_params, state).lower(
+        target_params, state, fresh_batch(), jax.random.key(0)).compile()
+    compile_s = time.perf_counter() - t0
+    _progress(f"step compiled in {compile_s:.1f} s")
 
     times = []
-    for i in range(steps + 2):  # two warm-up steps: compile, then the first donated-buffer run
+    for i in range(steps + 1):  # one warm-up step: the first run of the donated-buffer program
         batch = fresh_batch()
-        jax.block_until_ready(batch)
         start = time.perf_counter()
         state, metrics = step_fn(target_params, state, batch, jax.random.key(i))
         jax.block_until_ready((state, metrics))
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+        times.append(time.perf_counter() - start)
+        _progress(f"step {i} ({'warm-up' if i == 0 else 'timed'}): {times[-1]:.3f} s")
+    seconds = statistics.median(times[1:])
     tokens = rows * case.seq_len
     flops = step_flops(model, batch=rows, seq_len=case.seq_len)
     peak = [d.memory_stats().get("peak_bytes_in_use") for d in mesh.devices.flat if d.memory_stats()]
     return {"seq_len": case.seq_len, "devices": case.devices, "micro_batch": case.micro_batch,
-            "device_kind": mesh.devices.flat[0].device_kind,
+            "device_kind": mesh.devices.flat[0].device_kind, "jax": jax.__version__, "dtype": dtype, "steps": steps,
             "step_s": seconds, "tokens_per_s": tokens / seconds, "tflops_per_device": flops / seconds / case.devices / 1e12,
-            "peak_gb": max(peak) / 1e9 if peak else None, "loss": float(metrics["loss"])}
+            "peak_gb": max(peak) / 1e9 if peak else None, "loss": float(metrics["loss"]),
+            "build_s": build_s, "compile_s": compile_s, "warmup_step_s": times[0]}
 
 
 def _attn_impl() -> str:
@@ -108,43 +135,109 @@ def _attn_impl() -> str:
     return attention.default_impl()
 
 
+def run_with_limit(cmd: list[str], limit_s: float) -> tuple[int | None, str, str]:
+    """(exit status, or None when killed at limit_s; stdout; stderr) of a child process."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired as e:  # subprocess.run has killed the child
+        decode = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return None, decode(e.stdout), decode(e.stderr)
+    return out.returncode, out.stdout, out.stderr
+
+
 def _run_isolated(case: Case, args) -> dict:
-    """One case in a fresh process, so its peak memory is its own. The parent never initialises
-    the GPU itself: JAX would preallocate most of its memory and starve the child."""
+    """One case in a fresh process under args.case_timeout, so its peak memory is its own. The
+    parent never initialises the GPU itself: JAX would preallocate most of its memory and starve
+    the child."""
     cmd = [sys.executable, "-m", "train.bench_train", "--one", f"{case.seq_len},{case.devices},{case.micro_batch}",
            "--steps", str(args.steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        return {"seq_len": case.seq_len, "devices": case.devices, "error": out.stderr.strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    start = time.perf_counter()
+    status, stdout, stderr = run_with_limit(cmd, args.case_timeout)
+    failed = {"seq_len": case.seq_len, "devices": case.devices, "micro_batch": case.micro_batch}
+    if status is None:
+        phases = [line[2:] for line in stderr.splitlines() if line.startswith("# ")]
+        last = f" (last: {phases[-1]})" if phases else " (before building the models)"
+        return {**failed, "error": f"timed out after {args.case_timeout:.0f} s{last}"}
+    if status:
+        return {**failed, "error": " ".join(stderr.strip().splitlines()[-1:])}
+    return {**json.loads(stdout.strip().splitlines()[-1]), "case_s": time.perf_counter() - start}
 
 
 def table(results: list[dict], peak_tflops: float) -> str:
-    lines = ["| seq | GPUs | seqs/step | step ms | tokens/s | TFLOP/s/GPU | MFU | peak GB | scaling |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| seq | GPUs | seqs/step | step ms | tokens/s | TFLOP/s/GPU | MFU | peak GB | scaling | build s | compile s |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     single = {r["seq_len"]: r for r in results if r.get("devices") == 1 and "error" not in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['seq_len']} | {r['devices']} | failed: {' '.join(r['error'])} |||||||")
+            lines.append(f"| {r['seq_len']} | {r['devices']} | failed: {r['error'].replace('|', '/')} |||||||||")
             continue
         base = single.get(r["seq_len"])
         scaling = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["devices"] > 1 else "-"
         peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
         lines.append(f"| {r['seq_len']} | {r['devices']} | {r['micro_batch'] * r['devices']} | {r['step_s'] * 1e3:.1f} "
                      f"| {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.1f} | "
-                     f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} |")
+                     f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} | {r['compile_s']:.0f} |")
     return "\n".join(lines)
+
+
+def print_report(results: list[dict], peak_tflops: float) -> None:
+    """The header line and the table, sorted by sequence length then GPU count."""
+    results = sorted(results, key=lambda r: (r["seq_len"], r["devices"]))
+    done = [r for r in results if "error" not in r]
+    described = sorted({f"jax {r['jax']}, {r['device_kind']}, {r['dtype']}, median of {r['steps']} steps" for r in done})
+    print(f"# {'; '.join(described) or 'no case finished'}: random target + draft")
+    print(table(results, peak_tflops))
+
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_out_path(path: str) -> Path:
+    name = Path(path).name
+    if not SAFE_NAME.fullmatch(name):
+        raise UserError(f"--out {path!r}: use a file name of letters, digits, '.', '_' and '-' only "
+                        "(the GPU machine's file transfer drops other characters), e.g. train_1024.jsonl")
+    return Path(path)
+
+
+def read_results(paths: list[str]) -> list[dict]:
+    """The case lines (JSON objects with a seq_len) of saved outputs; a case measured again later
+    (same seq and GPU count) replaces the earlier one."""
+    by_case = {}
+    for path in paths:
+        if not Path(path).is_file():
+            raise UserError(f"--merge {path}: no such file: pass the files an earlier run's --out wrote")
+        for line in Path(path).read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            record = json.loads(line)
+            if "seq_len" in record:
+                by_case[record["seq_len"], record["devices"]] = record
+    if not by_case:
+        raise UserError(f"--merge {' '.join(paths)}: no case lines found: pass the files an earlier run's --out wrote")
+    return list(by_case.values())
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny shapes on CPU, all cases in this process")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per case (after two warm-up steps)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
     p.add_argument("--seqs", default="1024,16384", help="sequence lengths (comma-separated)")
     p.add_argument("--devices", default="1,2", help="GPU counts (comma-separated); counts above the available are skipped")
+    p.add_argument("--case-timeout", type=float, default=240.0, help="seconds one case (its own process) may take")
+    p.add_argument("--out", help="also append each case's JSON line to this file (for --merge)")
+    p.add_argument("--merge", nargs="+", metavar="FILE", help="only print the table of the case lines in these files")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak for MFU (H200 bf16 dense)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: "seq,devices,micro" -> one JSON line
     args = p.parse_args(argv)
+    try:
+        if args.merge:
+            print_report(read_results(args.merge), args.peak_tflops)
+            return 0
+        out_path = check_out_path(args.out) if args.out else None
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model = tiny.MODEL if args.small else vicuna7b.MODEL
     dtype = "float32" if args.small else "bfloat16"
     max_offset = 1024 if args.small else 15_000
@@ -162,15 +255,20 @@ def main(argv=None) -> int:
     results = []
     for case in cases:
         if args.small:  # in this process (the GPU path keeps the parent off the GPU: see _run_isolated)
-            if case.devices <= jax.device_count():
-                results.append(measure(model, case, steps=args.steps, dtype=dtype, max_offset=max_offset))
+            if case.devices > jax.device_count():
+                continue
+            result = measure(model, case, steps=args.steps, dtype=dtype, max_offset=max_offset)
         else:
-            results.append(_run_isolated(case, args))
-    results = [r for r in results if "skipped" not in r]
-    kinds = sorted({r["device_kind"] for r in results if "device_kind" in r})
-    print(f"# jax {jax.__version__}, {', '.join(kinds)}, {'tiny' if args.small else 'Vicuna-7B'} "
-          f"target + draft, {dtype}, median of {args.steps} steps")
-    print(table(results, args.peak_tflops))
+            result = _run_isolated(case, args)
+        if "skipped" in result:
+            continue
+        line = json.dumps(result)
+        print(line, flush=True)
+        if out_path:
+            with out_path.open("a") as f:
+                f.write(line + "\n")
+        results.append(result)
+    print_report(results, args.peak_tflops)
     return 0
 
 
