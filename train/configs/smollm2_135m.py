@@ -1,7 +1,20 @@
 """SmolLM2-135M-Instruct, the embedded demo target (8k context), on one H200.
 
-The data defaults to this repository's own Python sources and docs (local, our licence); point
-`--data` at a larger local corpus for a real draft. Stage 2 trains at the target's full 8k window.
+Both stages read the corpus that `train/build_corpus.py` writes, gzipped, to `.stage/corpus`
+(git-ignored, carried to the GPU machine; see DATA.md). Stage 2 trains at the target's full 8k
+window, starting from stage 1's exported draft. `infer/gpu_issue7.sh` runs both on the H200.
+
+Step counts are sized from FLOPs so that stage 1 takes about 4 min and stage 2 about 1 min on one
+H200 at ~40 % of its ~700 TFLOP/s usable bf16 peak = 280 TFLOP/s. Per trained token:
+  target forward (frozen)        2 x 135 M                       = 270 MFLOP
+  draft forward + backward       6 x 4.4 M                       =  26 MFLOP
+  LM head (576 x 49152) fwd+bwd  6 x 28.3 M                      = 170 MFLOP
+  attention, causal (S = seq)    2 x S x 576 x (30 target layers fwd + 3 x 1 draft layer)
+                                   S = 1024: 39 MFLOP; S = 8192: 311 MFLOP
+Stage 1: 505 MFLOP/token -> 280e12 / 505e6 = 554 k tokens/s; 240 s -> 133 M tokens
+         = 2030 steps of 64 x 1024 tokens: max_steps 2000 (~12.5 passes over the 10.5 M-token corpus).
+Stage 2: 777 MFLOP/token -> 360 k tokens/s; 60 s -> 21.6 M tokens
+         = 165 steps of 16 x 8192 tokens: max_steps 160.
 """
 
 from longspec_jax.config import ModelConfig
@@ -13,7 +26,7 @@ MODEL = ModelConfig(
     max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
 )
 
-REPO_TEXT = ("longspec_jax", "train", "docs")
+CORPUS = (".stage/corpus",)  # relative to the repository root, where train.run is started
 
 
 def config() -> TrainConfig:
@@ -22,10 +35,10 @@ def config() -> TrainConfig:
         model=MODEL,
         target=EMBEDDED_TARGET,
         stages=(
-            Stage(data=REPO_TEXT, seq_len=1024, batch_size=64, lr=5e-4, micro_batch_size=64,
-                  anchor_offset=True, max_offset=8000),
-            Stage(data=REPO_TEXT, seq_len=8192, batch_size=16, lr=5e-6, micro_batch_size=8,
-                  anchor_offset=False, max_offset=8192),
+            Stage(data=CORPUS, seq_len=1024, batch_size=64, lr=5e-4, micro_batch_size=64,
+                  anchor_offset=True, max_offset=8000, max_steps=2000),
+            Stage(data=CORPUS, seq_len=8192, batch_size=16, lr=5e-6, micro_batch_size=8,
+                  anchor_offset=False, max_offset=8192, max_steps=160),
         ),
         num_gpus=1, gpu_name="H200", gpu_memory_gb=141.0,
         checkpoint_every=200,

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Issue 7 on one H200 in three device calls, made back to back: files outside the repository
+# (the staged GGUF, the installed wheels, the training runs) survive between calls only while the
+# machine stays warm (~30 s after a call). Each call carries at most 64 MiB, hence the split GGUF.
+#
+#   here, once:  python -m infer.stage_gguf split                 (.stage/part1, part2, sha256)
+#   call 1:  bash infer/gpu_issue7.sh stage1   carry .stage/part1 .stage/sha256 .whl
+#            installs the missing wheels, stages GGUF part 1, checks every import
+#   call 2:  bash infer/gpu_issue7.sh train    carry .stage/part2 .stage/sha256 .stage/corpus
+#            stages part 2, joins the GGUF, trains stage 1 then stage 2, exports the draft to $OUT/draft
+#   call 3:  bash infer/gpu_issue7.sh bench
+#            ar, pld and longspec at T = 0 and 1 on the eval sets; results to $OUT/bench_*.json
+#
+# Each subcommand prints a short summary last. Knobs (environment), for CPU dry runs and reruns:
+#   PYTHON (python3)  STAGE_DIR (/root/stage)  SITE (/tmp/site)  OUT (/tmp/issue7_out)
+#   RUNS ($STAGE_DIR/runs/smollm2_135m)  DATA (.stage/corpus)
+#   STEPS1 / STEPS2: max_steps of each stage (default: the config's)
+#   TRAIN_SET1 / TRAIN_SET2: extra space-separated key=value overrides for train.run --set
+#   TRAIN1_S (380) / TRAIN2_S (190): time guards; on expiry the trainer saves a checkpoint and a rerun resumes
+#   DRAFT ($RUNS/stage2/draft)  LIMIT (20)  MAX_NEW (256)  TEMPS (0,1)  MODES (ar,pld,longspec)  PROFILE (0)
+#   BENCH_S (540): seconds for both benchmark processes together
+set -uo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+PY=${PYTHON:-python3}
+STAGE_DIR=${STAGE_DIR:-/root/stage}
+SITE=${SITE:-/tmp/site}
+OUT=${OUT:-/tmp/issue7_out}
+RUNS=${RUNS:-$STAGE_DIR/runs/smollm2_135m}
+DATA=${DATA:-.stage/corpus}
+GGUF=$STAGE_DIR/SmolLM2-135M-Instruct.gguf
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONWARNINGS="ignore::DeprecationWarning"
+mkdir -p "$OUT"
+
+# Every module the trainer and the benchmark import that a bare GPU image may lack.
+MODULES="jax flax optax orbax.checkpoint transformers tokenizers safetensors pyarrow numpy grain datasets
+gguf tensorboardX tqdm xxhash pandas dill multiprocess array_record portpicker"
+
+missing_modules() {
+    # shellcheck disable=SC2086
+    "$PY" -c 'import importlib.util, sys
+def absent(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except ImportError:  # a dotted name whose parent package is missing
+        return True
+print(" ".join(m for m in sys.argv[1:] if absent(m)))' $MODULES
+}
+
+ensure_packages() {
+    if [ -d "$SITE" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
+    local missing
+    missing=$(missing_modules)
+    # Once per machine: a second install into the same folder would only warn about every package.
+    if [ -n "$missing" ] && [ -d .whl ] && [ ! -f "$SITE/.installed" ]; then
+        echo "installing .whl/*.whl into $SITE (missing: $missing)"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || return 1
+        touch "$SITE/.installed"
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        missing=$(missing_modules)
+    fi
+    MISSING=$missing
+}
+
+# infer.stage_gguf with its GPU-side folder pointed at $STAGE_DIR (a scratch folder in dry runs).
+stage_gguf() {
+    "$PY" -c 'import sys
+from pathlib import Path
+import infer.stage_gguf as stage
+stage.REMOTE_DIR = Path(sys.argv[1])
+stage.main(sys.argv[2:])' "$STAGE_DIR" "$@"
+}
+
+elapsed() { echo "$((SECONDS - START)) s"; }
+
+cmd_stage1() {
+    ensure_packages || { echo "== stage1 FAILED: wheel install"; exit 1; }
+    stage_gguf put-part 1 || { echo "== stage1 FAILED: put-part 1"; exit 1; }
+    "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -n 1
+    echo "== stage1 summary ($(elapsed))"
+    ls -l "$STAGE_DIR"
+    echo "missing modules: ${MISSING:-none}"
+    [ -z "$MISSING" ]
+}
+
+train_stage() {  # train_stage N STEPS "KEY=VALUE ..." TIMEOUT_S
+    local n=$1 steps=$2 extra=$3 limit=$4 kv
+    local args=(--config smollm2_135m --target "$GGUF" --data "$DATA" --stage "$n" --set "output_dir=$RUNS")
+    if [ -n "$steps" ]; then args+=(--set "max_steps=$steps"); fi
+    for kv in $extra; do args+=(--set "$kv"); done
+    echo "== stage $n: train.run ${args[*]}"
+    timeout -s INT -k 30 "$limit" "$PY" -m train.run "${args[@]}" 2>&1 | tee "$OUT/train_stage$n.txt"
+    local rc=${PIPESTATUS[0]}
+    cp -f "$RUNS/stage$n/metrics.jsonl" "$OUT/metrics_stage$n.jsonl" 2>/dev/null
+    return "$rc"
+}
+
+train_summary() {
+    echo "== train summary ($(elapsed))"
+    "$PY" - "$OUT" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for n in (1, 2):
+    path = out / f"metrics_stage{n}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    if not rows:
+        print(f"stage {n}: no metrics")
+        continue
+    rate = statistics.median(r["tokens_per_s"] for r in rows)
+    print(f"stage {n}: step {rows[-1]['step']}, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
+          f"median {rate:,.0f} tokens/s")
+draft = out / "draft"
+files = sorted(p.name for p in draft.iterdir()) if draft.is_dir() else []
+size = sum(p.stat().st_size for p in draft.iterdir()) / 2**20 if files else 0
+print(f"draft: {draft} ({', '.join(files) or 'missing'}; {size:.1f} MiB)")
+EOF
+}
+
+cmd_train() {
+    ensure_packages || { echo "== train FAILED: wheel install"; exit 1; }
+    stage_gguf put-part 2 && stage_gguf join || { echo "== train FAILED: staging the GGUF"; exit 1; }
+    local rc=0
+    train_stage 1 "${STEPS1:-}" "${TRAIN_SET1:-}" "${TRAIN1_S:-380}" || rc=$?
+    if [ "$rc" = 0 ]; then
+        train_stage 2 "${STEPS2:-}" "${TRAIN_SET2:-}" "${TRAIN2_S:-190}" || rc=$?
+    fi
+    if [ "$rc" = 0 ]; then
+        rm -rf "$OUT/draft" && cp -r "$RUNS/stage2/draft" "$OUT/draft"
+    fi
+    train_summary
+    if [ "$rc" != 0 ]; then
+        echo "train FAILED with exit $rc (130: time guard hit, a checkpoint was saved: rerun 'train' to resume)"
+    fi
+    return "$rc"
+}
+
+bench_run() {  # bench_run NAME TASKS TIMEOUT_S
+    local args=(--eval-dir infer/eval_sets/smollm2 --target "$GGUF" --draft "$DRAFT" --modes "${MODES:-ar,pld,longspec}"
+                --temperatures "${TEMPS:-0,1}" --tasks "$2" --limit "${LIMIT:-20}" --max-new-tokens "${MAX_NEW:-256}"
+                --json-out "$OUT/bench_$1.json")
+    if [ "${PROFILE:-0}" = 1 ]; then args+=(--profile); fi
+    echo "== benchmark $1: infer.benchmark ${args[*]}"
+    timeout -k 20 "$3" "$PY" -m infer.benchmark "${args[@]}" >"$OUT/bench_$1.md" 2>"$OUT/bench_$1.log"
+    local rc=$?
+    tail -n 5 "$OUT/bench_$1.log"
+    return "$rc"
+}
+
+cmd_bench() {
+    ensure_packages || { echo "== bench FAILED: wheel install"; exit 1; }
+    DRAFT=${DRAFT:-$RUNS/stage2/draft}
+    if [ ! -f "$GGUF" ] || [ ! -d "$DRAFT" ]; then
+        echo "== bench FAILED: $GGUF or $DRAFT is missing (the machine went cold?): redo stage1 and train"
+        exit 1
+    fi
+    local budget=${BENCH_S:-540} rc_main rc_prefill=skipped
+    # The main tasks first, in their own process, so a slow prefill sweep cannot cost their results.
+    bench_run main code_completion,summarisation $((budget * 3 / 4)); rc_main=$?
+    local left=$((budget - (SECONDS - START)))
+    if [ "$left" -ge 60 ]; then bench_run prefill prefill_length "$left"; rc_prefill=$?; fi
+    echo "== bench summary ($(elapsed); exit main $rc_main, prefill $rc_prefill)"
+    cat "$OUT/bench_main.md" "$OUT/bench_prefill.md" 2>/dev/null
+    [ "$rc_main" = 0 ]
+}
+
+case "${1:-}" in
+    stage1) cmd_stage1 ;;
+    train) cmd_train ;;
+    bench) cmd_bench ;;
+    *) echo "usage: bash infer/gpu_issue7.sh stage1|train|bench (see the header of this file)"; exit 2 ;;
+esac
