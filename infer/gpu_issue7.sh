@@ -3,7 +3,8 @@
 # (the staged GGUF, the installed wheels, the training runs) survive between calls only while the
 # machine stays warm (~30 s after a call). Each call carries at most 64 MiB, hence the split GGUF.
 #
-#   here, once:  python -m infer.stage_gguf split                 (.stage/part1, part2, sha256)
+#   here, once:  bash infer/gpu_issue7.sh prepare   (on the CPU machine, with the project venv active:
+#            the git-ignored inputs a fresh checkout lacks: .whl wheels, .stage/corpus, GGUF parts)
 #   call 1:  bash infer/gpu_issue7.sh stage1   carry .stage/part1 .stage/sha256 .whl
 #            installs the missing wheels, stages GGUF part 1, checks every import
 #   call 2:  bash infer/gpu_issue7.sh train    carry .stage/part2 .stage/sha256 .stage/corpus
@@ -164,9 +165,29 @@ cmd_bench() {
     [ "$rc_main" = 0 ]
 }
 
+# Wheels for what the GPU image lacks (KINDS.md lists what it has), for Python 3.12 on x86-64.
+GPU_WHEELS="grain==0.2.18 datasets==5.2.0 gguf==0.19.0 array-record==0.8.6 dill==0.4.1 multiprocess==0.70.19
+portpicker==1.6.0 tensorboardX==2.6.5 xxhash==4.1.0"
+
+cmd_prepare() {
+    set -e
+    # shellcheck disable=SC2086
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl $GPU_WHEELS
+    [ -d /usr/share/doc/python3-doc/html/_sources ] || apt-get install -y -q python3-doc  # DATA.md: the docs half
+    local corpus=${CORPUS_DIR:-/tmp/smollm2_corpus}
+    "$PY" -m train.build_corpus --out "$corpus"
+    mkdir -p .stage/corpus
+    for f in "$corpus"/train/*.jsonl; do gzip -9nc "$f" > ".stage/corpus/$(basename "$f").gz"; done
+    "$PY" -m infer.stage_gguf split
+    echo "== prepare summary ($(elapsed))"; du -sh .whl .stage/corpus .stage/part1 .stage/part2
+}
+
 case "${1:-}" in
+    prepare) cmd_prepare ;;
     stage1) cmd_stage1 ;;
     train) cmd_train ;;
     bench) cmd_bench ;;
-    *) echo "usage: bash infer/gpu_issue7.sh stage1|train|bench (see the header of this file)"; exit 2 ;;
+    *) echo "usage: bash infer/gpu_issue7.sh prepare|stage1|train|bench (see the header of this file)"; exit 2 ;;
 esac
