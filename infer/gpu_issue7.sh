@@ -17,7 +17,8 @@
 #   RUNS ($STAGE_DIR/runs/smollm2_135m)  DATA (.stage/corpus)
 #   STEPS1 / STEPS2: max_steps of each stage (default: the config's)
 #   TRAIN_SET1 / TRAIN_SET2: extra space-separated key=value overrides for train.run --set
-#   TRAIN1_S (380) / TRAIN2_S (190): time guards; on expiry the trainer saves a checkpoint and a rerun resumes
+#   TRAIN1_S (350) / TRAIN2_S (150): each stage's time_limit_s (load and compile included): the trainer
+#            then stops, saves and exports, so stage 2 still starts from stage 1's draft; a rerun resumes
 #   DRAFT ($RUNS/stage2/draft)  LIMIT (20)  MAX_NEW (256)  TEMPS (0,1)  MODES (ar,pld,longspec)  PROFILE (0)
 #   BENCH_S (540): seconds for both benchmark processes together
 set -uo pipefail
@@ -90,7 +91,10 @@ train_stage() {  # train_stage N STEPS "KEY=VALUE ..." TIMEOUT_S
     if [ -n "$steps" ]; then args+=(--set "max_steps=$steps"); fi
     for kv in $extra; do args+=(--set "$kv"); done
     echo "== stage $n: train.run ${args[*]}"
-    timeout -s INT -k 30 "$limit" "$PY" -m train.run "${args[@]}" 2>&1 | tee "$OUT/train_stage$n.txt"
+    # The trainer stops itself at time_limit_s (load and compile included), saves and exports; the
+    # outer timeout is only a backstop (SIGINT: the trainer saves a checkpoint, exports nothing).
+    args+=(--set "time_limit_s=$limit")
+    timeout -s INT -k 30 $((limit + 40)) "$PY" -m train.run "${args[@]}" 2>&1 | tee "$OUT/train_stage$n.txt"
     local rc=${PIPESTATUS[0]}
     cp -f "$RUNS/stage$n/metrics.jsonl" "$OUT/metrics_stage$n.jsonl" 2>/dev/null
     return "$rc"
@@ -122,16 +126,16 @@ cmd_train() {
     ensure_packages || { echo "== train FAILED: wheel install"; exit 1; }
     stage_gguf put-part 2 && stage_gguf join || { echo "== train FAILED: staging the GGUF"; exit 1; }
     local rc=0
-    train_stage 1 "${STEPS1:-}" "${TRAIN_SET1:-}" "${TRAIN1_S:-380}" || rc=$?
+    train_stage 1 "${STEPS1:-}" "${TRAIN_SET1:-}" "${TRAIN1_S:-350}" || rc=$?
     if [ "$rc" = 0 ]; then
-        train_stage 2 "${STEPS2:-}" "${TRAIN_SET2:-}" "${TRAIN2_S:-190}" || rc=$?
+        train_stage 2 "${STEPS2:-}" "${TRAIN_SET2:-}" "${TRAIN2_S:-150}" || rc=$?
     fi
     if [ "$rc" = 0 ]; then
         rm -rf "$OUT/draft" && cp -r "$RUNS/stage2/draft" "$OUT/draft"
     fi
     train_summary
     if [ "$rc" != 0 ]; then
-        echo "train FAILED with exit $rc (130: time guard hit, a checkpoint was saved: rerun 'train' to resume)"
+        echo "train FAILED with exit $rc (130: the backstop timeout hit, a checkpoint was saved: rerun 'train' to resume)"
     fi
     return "$rc"
 }

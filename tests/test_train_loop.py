@@ -142,3 +142,21 @@ def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_
     with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):
         train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
 
+
+
+def test_time_limit_stops_saves_exports_and_resumes(corpus_file, tmp_path):
+    out = tmp_path / "run"
+    # A limit already spent when the first step ends: the run stops after exactly one step.
+    first = train(tiny_cfg(corpus_file, out, "time_limit_s=1e-9"))
+    assert first.out_of_time and first.step == 1 and not first.interrupted
+    assert (first.draft_path / "model.safetensors").is_file()
+    assert CheckpointStore(out / "stage1" / "checkpoints", keep=2).latest_step() == 1
+    records = [json.loads(line) for line in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    rest = train(tiny_cfg(corpus_file, out))
+    assert rest.start_step == 1 and rest.step == STEPS and not rest.out_of_time
+
+
+def test_negative_time_limit_is_a_clear_error(corpus_file, tmp_path):
+    with pytest.raises(UserError, match="time_limit_s"):
+        train(tiny_cfg(corpus_file, tmp_path / "run", "time_limit_s=-1"))

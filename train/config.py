@@ -71,6 +71,10 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 3
     log_every: int = 10
+    # Wall-clock budget of one run in seconds (0: none). When it is spent the run stops after the
+    # current step, saves a checkpoint and exports the draft, as at the last step; running the same
+    # command again resumes towards max_steps. For fitting a run into a fixed slot of GPU time.
+    time_limit_s: float = 0.0
     data_cache_dir: str | None = None  # `datasets` cache; None: its default
 
     @property
@@ -93,6 +97,8 @@ class TrainConfig:
             raise UserError(f"seq_len={s.seq_len} must exceed num_anchors={self.num_anchors}")
         if s.anchor_offset and s.max_offset < s.seq_len:
             raise UserError(f"max_offset={s.max_offset} must be >= seq_len={s.seq_len}")
+        if self.time_limit_s < 0:
+            raise UserError(f"time_limit_s={self.time_limit_s} must be >= 0 (0: no limit)")
         if self.gamma < 2:
             raise UserError(f"gamma={self.gamma} must be >= 2 (the lag is drawn from 1..gamma-1)")
         if list(self.mesh).count(-1) > 1 or any(a == 0 or a < -1 for a in self.mesh):

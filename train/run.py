@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if result.interrupted:
         return 130
-    print(f"trained {cfg.name} stage {cfg.stage} to step {result.step}; draft: {result.draft_path}")
+    limited = " (time limit reached before max_steps)" if result.out_of_time else ""
+    print(f"trained {cfg.name} stage {cfg.stage} to step {result.step}{limited}; draft: {result.draft_path}")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import signal
 import threading
 from pathlib import Path
@@ -41,6 +42,7 @@ class TrainResult:
     losses: list[float]  # one per step run by this process
     draft_path: Path | None  # the export, when the stage finished
     interrupted: bool = False  # Ctrl-C: a checkpoint of `step` was saved
+    out_of_time: bool = False  # time_limit_s ran out before max_steps: saved and exported at `step`
 
 
 class _StopOnInterrupt:
@@ -92,6 +94,7 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
     from train.data import batch_iterator, find_files
 
     cfg.validate()
+    deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
     stage = cfg.current
     find_files(stage.data)  # a wrong data path fails now, not after loading the target
     sharding.maybe_initialize_distributed()
@@ -129,9 +132,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
         log.message(f"resumed from {store.directory}/{step}")
     losses: list[float] = []
     last_logged = step
+    out_of_time = False
     with _StopOnInterrupt() as interrupt:
         try:
-            while step < total_steps and not interrupt.requested:
+            while step < total_steps and not interrupt.requested and not out_of_time:
                 local = next(data)
                 batch = sharding.global_batch(
                     {k: v.reshape(accum, rows_per_process // accum, stage.seq_len) for k, v in local.items()}, mesh)
@@ -146,10 +150,11 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
                         "lower the learning rate (--set lr=...) and run again to resume from it")
                 losses.append(metrics["loss"])
                 log.count_tokens(stage.batch_size * stage.seq_len)
-                if step % cfg.log_every == 0 or step == total_steps:
+                out_of_time = _agreed(time.monotonic() >= deadline)
+                if step % cfg.log_every == 0 or step == total_steps or out_of_time:
                     log.log(step, {**metrics, "lr": float(schedule(step - 1))}, steps_done=step - last_logged)
                     last_logged = step
-                if step % cfg.checkpoint_every == 0 or step == total_steps:
+                if step % cfg.checkpoint_every == 0 or step == total_steps or out_of_time:
                     store.save(step, state, data, {"step": step, "config": meta_config})
                 if on_step is not None:
                     on_step(step, local, metrics)
@@ -158,11 +163,22 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
                     store.save(step, state, data, {"step": step, "config": meta_config})
                 log.message(f"interrupted: saved step {step} in {store.directory}; run the same command to resume")
                 return TrainResult(run_dir, start_step, step, losses, draft_path=None, interrupted=True)
+            if out_of_time and step < total_steps:
+                log.message(f"time limit ({cfg.time_limit_s:g} s) reached at step {step} of {total_steps}: saved "
+                            f"in {store.directory} and exported; run the same command to continue")
         finally:
             log.close()
             store.close()
     draft_path = _export(draft_graphdef, state["params"], cfg, run_dir / "draft")
-    return TrainResult(run_dir=run_dir, start_step=start_step, step=step, losses=losses, draft_path=draft_path)
+    return TrainResult(run_dir=run_dir, start_step=start_step, step=step, losses=losses, draft_path=draft_path,
+                       out_of_time=out_of_time and step < total_steps)
+
+
+def _agreed(flag: bool) -> bool:
+    """Process 0's value of `flag` on every process, so that all stop at the same step."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(jnp.asarray(flag)))
 
 
 def _load_corpus(cfg: TrainConfig, target):

@@ -37,7 +37,7 @@ def config() -> TrainConfig:
         stages=(
             Stage(data=CORPUS, seq_len=1024, batch_size=64, lr=5e-4, micro_batch_size=64,
                   anchor_offset=True, max_offset=8000, max_steps=2000),
-            Stage(data=CORPUS, seq_len=8192, batch_size=16, lr=5e-6, micro_batch_size=8,
+            Stage(data=CORPUS, seq_len=8192, batch_size=16, lr=5e-5, micro_batch_size=8,
                   anchor_offset=False, max_offset=8192, max_steps=160),
         ),
         num_gpus=1, gpu_name="H200", gpu_memory_gb=141.0,
