@@ -2,14 +2,18 @@
 
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
         [--modes ar,pld,longspec] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
-        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--profile]
+        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--runs-out F] [--profile]
+    python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
-Every prompt runs every mode at every temperature in this one process (batch 1). The first run of a
-(mode, prompt-length bucket, temperature) is a warm-up and is not counted: compiled programs are then reused, so
-timings hold no compilation. tokens/s of a group = its new tokens / its decode seconds; speedup =
-that over AR's in the same task and temperature. At T = 0 each speculative run is also checked to
-give exactly AR's tokens (lossless decoding). A mode the build cannot run (no draft, engine missing)
-is skipped with its reason. The full results go to --json-out; a markdown table is printed last.
+Every prompt runs every mode at every temperature in this one process (batch 1). Compilation is
+timed apart from prefill and decode (stats.compile_s), and the first run of a (mode, cache size,
+temperature) is a warm-up that is not counted, so timings hold neither compilation nor first-run
+costs. tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the
+same task and temperature. At T = 0 each speculative run is also checked to give exactly AR's tokens
+(lossless decoding). A mode the build cannot run (no draft, engine missing) is skipped with its
+reason. Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did;
+--summarise builds the tables from such files); the full results go to --json-out; a markdown
+table is printed last.
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ def _tokens_digest(tokens: list[int]) -> str:
 
 
 def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_new_tokens: int, seed: int = 0,
-                  attn_impl: str | None = None, profile: bool = False, log=print) -> dict:
-    """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}."""
-    from longspec_jax.generation import Generator, bucket_length
+                  attn_impl: str | None = None, ar_attn_impl: str | None = None, profile: bool = False, log=print,
+                  on_run=None) -> dict:
+    """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
+    on_run(run_record) is called as each run finishes."""
+    from longspec_jax.generation import Generator, plan_lengths
 
     skipped: dict[str, str] = {}
     generators = {}
@@ -64,7 +70,8 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
         if mode == "longspec" and draft is None:
             skipped[mode] = "no draft: pass --draft PATH (or ship the default SmolLM2 draft)"
             continue
-        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=attn_impl)
+        impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
+        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl)
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")
 
@@ -80,8 +87,9 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
             for mode, generator in list(generators.items()):
                 kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
                 try:
-                    # Greedy and sampling may be different programs: warm each up per length bucket.
-                    shape = (mode, bucket_length(item["prompt_len"]), temperature)
+                    # Greedy and sampling may be different programs: warm each up once per cache size
+                    # (the decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
+                    shape = (mode, plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature)
                     if shape not in warmed:
                         generator.generate(item["prompt_ids"], **kwargs)
                         warmed.add(shape)
@@ -94,7 +102,7 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                 tokens, stats = result.tokens[0], result.stats
                 if mode == "ar":
                     ar_tokens = tokens
-                runs.append({
+                record = {
                     "id": item["id"], "task": item["task"], "bucket": item.get("bucket"), "prompt_len": item["prompt_len"],
                     "mode": mode, "temperature": temperature, "new_tokens": stats.new_tokens,
                     "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tokens_per_s": stats.tokens_per_s,
@@ -102,7 +110,10 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                     "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
                     "profile": stats.profile, "tokens_sha1": _tokens_digest(tokens),
                     "matches_ar": (tokens == ar_tokens) if temperature == 0 and mode != "ar" and ar_tokens is not None else None,
-                })
+                }
+                runs.append(record)
+                if on_run is not None:
+                    on_run(record)
                 log(f"{item['id']} ({item['prompt_len']} tokens) {mode} T={temperature}: tau {stats.tau:.2f}, "
                     f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens")
     return {"runs": runs, "skipped_modes": skipped}
@@ -209,7 +220,7 @@ def draft_dtype(draft):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
-    p.add_argument("--eval-dir", required=True, type=Path, help="folder made by infer.build_eval_sets")
+    p.add_argument("--eval-dir", type=Path, help="folder made by infer.build_eval_sets")
     p.add_argument("--target", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft (default for the embedded target: the shipped draft)")
     p.add_argument("--modes", default="ar,pld,longspec")
@@ -219,9 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="first N prompts per task (per bucket for prefill_length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn-impl", help="xla, cudnn or pallas (default: fastest for the backend)")
+    p.add_argument("--ar-attn-impl", help="the AR baseline's attention (default: cudnn on GPU, else --attn-impl)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
     p.add_argument("--json-out", type=Path, help="write the full results here")
+    p.add_argument("--runs-out", type=Path, help="append each run here (jsonl) as it finishes")
+    p.add_argument("--summarise", nargs="+", type=Path, metavar="RUNS_JSONL",
+                   help="build the tables from --runs-out files instead of running")
     return p
 
 
@@ -243,16 +258,27 @@ def run(args: argparse.Namespace) -> dict:
     from longspec_jax import attention
 
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results = run_benchmark(target, draft, items, modes=modes, temperatures=temperatures,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed, attn_impl=args.attn_impl,
-                            profile=args.profile, log=log)
+    ar_impl = args.ar_attn_impl or ("cudnn" if jax.default_backend() == "gpu" else None)
+    runs_out = None
+    if args.runs_out:
+        args.runs_out.parent.mkdir(parents=True, exist_ok=True)
+        runs_out = args.runs_out.open("a", encoding="utf-8")
+    try:
+        results = run_benchmark(
+            target, draft, items, modes=modes, temperatures=temperatures, max_new_tokens=args.max_new_tokens,
+            seed=args.seed, attn_impl=args.attn_impl, ar_attn_impl=ar_impl, profile=args.profile, log=log,
+            on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()))
+    finally:
+        if runs_out is not None:
+            runs_out.close()
     summary = summarise(results["runs"])
     device = jax.devices()[0]
     return {
         "config": {"eval_dir": str(args.eval_dir), "target": args.target or "embedded SmolLM2-135M-Instruct",
                    "draft": args.draft, "dtype": str(target.dtype), "modes": modes, "temperatures": temperatures,
                    "tasks": tasks, "max_new_tokens": args.max_new_tokens, "limit": args.limit, "seed": args.seed,
-                   "attn_impl": args.attn_impl or attention.default_impl(), "backend": jax.default_backend(), "device": device.device_kind,
+                   "attn_impl": args.attn_impl or attention.default_impl(),
+                   "ar_attn_impl": ar_impl or args.attn_impl or attention.default_impl(), "backend": jax.default_backend(), "device": device.device_kind,
                    "eval_manifest": manifest},
         **results,
         "summary": summary,
@@ -260,10 +286,27 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def summarise_files(paths: list[Path]) -> dict:
+    """The report's summary and tables from --runs-out files (one run per line)."""
+    runs = []
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: pass files written by --runs-out")
+        runs += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    summary = summarise(runs)
+    return {"config": {"runs_files": [str(p) for p in paths]}, "runs": runs, "summary": summary,
+            "markdown": markdown_tables(summary)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        report = run(args)
+        if args.summarise:
+            report = summarise_files(args.summarise)
+        elif args.eval_dir is None:
+            raise UserError("pass --eval-dir (a folder made by infer.build_eval_sets) or --summarise RUNS.jsonl")
+        else:
+            report = run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@
 #   call 2:  bash infer/gpu_issue7.sh train    carry .stage/part2 .stage/sha256 .stage/corpus
 #            stages part 2, joins the GGUF, trains stage 1 then stage 2, exports the draft to $OUT/draft
 #   call 3:  bash infer/gpu_issue7.sh bench
-#            ar, pld and longspec at T = 0 and 1 on the eval sets; results to $OUT/bench_*.json
+#            ar, pld and longspec at T = 0 and 1 on the eval sets; each run to $OUT/runs_*.jsonl as it
+#            finishes, tables to $OUT/bench_*.md. On a fresh machine: call 1, then call 3 carrying
+#            .stage/part2 .stage/sha256 (the GGUF is joined first; the draft defaults to the shipped one).
 #
 # Each subcommand prints a short summary last. Knobs (environment), for CPU dry runs and reruns:
 #   PYTHON (python3)  STAGE_DIR (/root/stage)  SITE (/tmp/site)  OUT (/tmp/issue7_out)
@@ -19,7 +21,8 @@
 #   TRAIN_SET1 / TRAIN_SET2: extra space-separated key=value overrides for train.run --set
 #   TRAIN1_S (350) / TRAIN2_S (150): each stage's time_limit_s (load and compile included): the trainer
 #            then stops, saves and exports, so stage 2 still starts from stage 1's draft; a rerun resumes
-#   DRAFT ($RUNS/stage2/draft)  LIMIT (20)  MAX_NEW (256)  TEMPS (0,1)  MODES (ar,pld,longspec)  PROFILE (0)
+#   DRAFT ($RUNS/stage2/draft, else the shipped longspec_jax/drafts/smollm2_135m)  LIMIT (20)
+#   PREFILL_LIMIT (5 per bucket)  MAX_NEW (256)  TEMPS (0,1)  MODES (ar,pld,longspec)  PROFILE (0)
 #   BENCH_S (540): seconds for both benchmark processes together
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -140,30 +143,38 @@ cmd_train() {
     return "$rc"
 }
 
-bench_run() {  # bench_run NAME TASKS TIMEOUT_S
+bench_run() {  # bench_run NAME TASKS LIMIT TIMEOUT_S
     local args=(--eval-dir infer/eval_sets/smollm2 --target "$GGUF" --draft "$DRAFT" --modes "${MODES:-ar,pld,longspec}"
-                --temperatures "${TEMPS:-0,1}" --tasks "$2" --limit "${LIMIT:-20}" --max-new-tokens "${MAX_NEW:-256}"
-                --json-out "$OUT/bench_$1.json")
+                --temperatures "${TEMPS:-0,1}" --tasks "$2" --limit "$3" --max-new-tokens "${MAX_NEW:-256}"
+                --json-out "$OUT/bench_$1.json" --runs-out "$OUT/runs_$1.jsonl")
     if [ "${PROFILE:-0}" = 1 ]; then args+=(--profile); fi
     echo "== benchmark $1: infer.benchmark ${args[*]}"
-    timeout -k 20 "$3" "$PY" -m infer.benchmark "${args[@]}" >"$OUT/bench_$1.md" 2>"$OUT/bench_$1.log"
+    timeout -k 20 "$4" "$PY" -m infer.benchmark "${args[@]}" >"$OUT/bench_$1.md" 2>"$OUT/bench_$1.log"
     local rc=$?
+    if [ "$rc" != 0 ] && [ -s "$OUT/runs_$1.jsonl" ]; then  # killed: the tables of the runs it finished
+        "$PY" -m infer.benchmark --summarise "$OUT/runs_$1.jsonl" >"$OUT/bench_$1.md" 2>>"$OUT/bench_$1.log"
+    fi
     tail -n 5 "$OUT/bench_$1.log"
     return "$rc"
 }
 
 cmd_bench() {
     ensure_packages || { echo "== bench FAILED: wheel install"; exit 1; }
+    if [ ! -f "$GGUF" ] && [ -f .stage/part2 ]; then
+        stage_gguf put-part 2 && stage_gguf join || { echo "== bench FAILED: staging the GGUF"; exit 1; }
+    fi
     DRAFT=${DRAFT:-$RUNS/stage2/draft}
-    if [ ! -f "$GGUF" ] || [ ! -d "$DRAFT" ]; then
-        echo "== bench FAILED: $GGUF or $DRAFT is missing (the machine went cold?): redo stage1 and train"
+    [ -d "$DRAFT" ] || DRAFT=longspec_jax/drafts/smollm2_135m
+    if [ ! -f "$GGUF" ] || [ ! -f "$DRAFT/config.json" ]; then
+        echo "== bench FAILED: $GGUF or $DRAFT is missing (the machine went cold?): redo stage1, then bench carrying part 2"
         exit 1
     fi
+    echo "draft: $DRAFT"
     local budget=${BENCH_S:-540} rc_main rc_prefill=skipped
     # The main tasks first, in their own process, so a slow prefill sweep cannot cost their results.
-    bench_run main code_completion,summarisation $((budget * 3 / 4)); rc_main=$?
+    bench_run main code_completion,summarisation "${LIMIT:-20}" $((budget * 3 / 4)); rc_main=$?
     local left=$((budget - (SECONDS - START)))
-    if [ "$left" -ge 60 ]; then bench_run prefill prefill_length "$left"; rc_prefill=$?; fi
+    if [ "$left" -ge 60 ]; then bench_run prefill prefill_length "${PREFILL_LIMIT:-5}" "$left"; rc_prefill=$?; fi
     echo "== bench summary ($(elapsed); exit main $rc_main, prefill $rc_prefill)"
     cat "$OUT/bench_main.md" "$OUT/bench_prefill.md" 2>/dev/null
     [ "$rc_main" = 0 ]

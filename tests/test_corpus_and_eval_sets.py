@@ -185,9 +185,13 @@ def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
 
     rc = benchmark.main(["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,longspec",
                          "--tasks", "code_completion", "--temperatures", "0,1", "--max-new-tokens", "6",
-                         "--json-out", str(out)])
+                         "--json-out", str(out), "--runs-out", str(tmp_path / "runs.jsonl")])
     assert rc == 0
     report = json.loads(out.read_text())
+    # The runs file, written as runs finished, rebuilds the same tables without the models.
+    assert benchmark.main(["--summarise", str(tmp_path / "runs.jsonl"), "--json-out", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["runs"] == report["runs"] and again["markdown"] == report["markdown"]
     assert "longspec" in report["skipped_modes"]
     runs = report["runs"]
     assert len(runs) == 4 and {r["mode"] for r in runs} == {"ar"} and {r["temperature"] for r in runs} == {0.0, 1.0}

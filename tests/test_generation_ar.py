@@ -132,4 +132,7 @@ def test_bad_inputs_raise_user_errors(target):
 
 
 def test_bucket_lengths():
-    assert [bucket_length(n) for n in (1, 16, 17, 200, 256, 257, 4000)] == [16, 16, 32, 256, 256, 512, 4096]
+    sizes = (1, 16, 17, 200, 256, 257, 320, 321, 2049, 2600, 4000, 4097, 8192)
+    assert [bucket_length(n) for n in sizes] == [16, 16, 32, 256, 256, 320, 320, 384, 2560, 3072, 4096, 5120, 8192]
+    for n in range(1, 9000, 7):  # never shorter, padding under 25 % past the small buckets
+        assert n <= bucket_length(n) and (n <= 256 or bucket_length(n) < 1.25 * n + 1)
