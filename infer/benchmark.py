@@ -2,7 +2,7 @@
 
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
         [--modes ar,pld,longspec] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
-        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--runs-out F] [--profile]
+        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--runs-out F [--resume]] [--profile]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
 Every prompt runs every mode at every temperature in this one process (batch 1). Compilation is
@@ -12,8 +12,8 @@ costs. tokens/s of a group = its new tokens / its decode seconds; speedup = that
 same task and temperature. At T = 0 each speculative run is also checked to give exactly AR's tokens
 (lossless decoding). A mode the build cannot run (no draft, engine missing) is skipped with its
 reason. Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did;
---summarise builds the tables from such files); the full results go to --json-out; a markdown
-table is printed last.
+the same command with --resume runs only what is missing; --summarise builds the tables from such
+files); the full results go to --json-out; a markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -59,16 +59,17 @@ def _tokens_digest(tokens: list[int]) -> str:
 
 def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_new_tokens: int, seed: int = 0,
                   attn_impl: str | None = None, ar_attn_impl: str | None = None, profile: bool = False, log=print,
-                  on_run=None) -> dict:
+                  on_run=None, done: tuple[dict, ...] = ()) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
-    on_run(run_record) is called as each run finishes."""
+    on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
+    benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs")."""
     from longspec_jax.generation import Generator, plan_lengths
 
     skipped: dict[str, str] = {}
     generators = {}
     for mode in sorted(modes, key=lambda m: m != "ar"):  # AR first: the others are checked against it
         if mode == "longspec" and draft is None:
-            skipped[mode] = "no draft: pass --draft PATH (or ship the default SmolLM2 draft)"
+            skipped[mode] = "no draft: pass --draft PATH (only the embedded SmolLM2 ships one)"
             continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
         generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl)
@@ -77,14 +78,17 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
 
     window = target.config.max_position_embeddings
     warmed: set[tuple[str, int, float]] = set()
+    finished = {(r["id"], r["mode"], r["temperature"]) for r in done}
+    ar_digest = {(r["id"], r["temperature"]): r["tokens_sha1"] for r in done if r["mode"] == "ar"}
     runs = []
     for item in items:
         if item["prompt_len"] + max_new_tokens > window:
             log(f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens exceed the {window}-token window")
             continue
         for temperature in temperatures:
-            ar_tokens = None
             for mode, generator in list(generators.items()):
+                if (item["id"], mode, temperature) in finished:
+                    continue
                 kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
                 try:
                     # Greedy and sampling may be different programs: warm each up once per cache size
@@ -100,16 +104,18 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                     log(f"skipping mode {mode}: {e}")
                     continue
                 tokens, stats = result.tokens[0], result.stats
+                digest = _tokens_digest(tokens)
                 if mode == "ar":
-                    ar_tokens = tokens
+                    ar_digest[item["id"], temperature] = digest
+                reference = ar_digest.get((item["id"], temperature))
                 record = {
                     "id": item["id"], "task": item["task"], "bucket": item.get("bucket"), "prompt_len": item["prompt_len"],
                     "mode": mode, "temperature": temperature, "new_tokens": stats.new_tokens,
                     "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tokens_per_s": stats.tokens_per_s,
                     "tau": stats.tau, "rounds": stats.rounds, "compile_s": stats.compile_s,
                     "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
-                    "profile": stats.profile, "tokens_sha1": _tokens_digest(tokens),
-                    "matches_ar": (tokens == ar_tokens) if temperature == 0 and mode != "ar" and ar_tokens is not None else None,
+                    "profile": stats.profile, "tokens_sha1": digest,
+                    "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
                 }
                 runs.append(record)
                 if on_run is not None:
@@ -191,31 +197,16 @@ def _csv(text: str, cast, what: str) -> list:
 
 
 def load_models(target_path: str | None, draft_path: str | None, dtype: str, want_draft: bool):
-    """(target, draft or None). Without --draft the embedded SmolLM2 uses its shipped draft if present."""
+    """(target, draft or None). Without --draft a target's shipped draft (the embedded SmolLM2's) is used."""
     import jax
 
+    from longspec_jax.draft_io import inference_draft
     from longspec_jax.target import load_target
 
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     target = load_target(target_path, dtype=dtype)
-    if draft_path is None and want_draft and target_path is None:
-        from longspec_jax.embedded import default_draft_dir
-
-        if (default_draft_dir() / "config.json").is_file():
-            draft_path = str(default_draft_dir())
-    if draft_path is None or not want_draft:
-        return target, None
-    from longspec_jax.draft_io import load_draft
-
-    draft = load_draft(draft_path, target)  # float32 as stored; run it in the target's dtype
-    return target, draft if target.dtype == draft_dtype(draft) else draft.cast(target.dtype)
-
-
-def draft_dtype(draft):
-    import jax
-
-    return jax.tree.leaves(draft.block)[0].dtype
+    return target, inference_draft(target, draft_path) if want_draft else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
     p.add_argument("--json-out", type=Path, help="write the full results here")
     p.add_argument("--runs-out", type=Path, help="append each run here (jsonl) as it finishes")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the runs already in --runs-out (an interrupted benchmark) and report them with the new")
     p.add_argument("--summarise", nargs="+", type=Path, metavar="RUNS_JSONL",
                    help="build the tables from --runs-out files instead of running")
     return p
@@ -247,6 +240,8 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    if args.resume and not args.runs_out:
+        raise UserError("--resume continues the runs in --runs-out: pass --runs-out FILE too")
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
     target, draft = load_models(args.target, args.draft, args.dtype, "longspec" in modes)
     if manifest.get("vocab_size") != target.config.vocab_size:
@@ -259,6 +254,9 @@ def run(args: argparse.Namespace) -> dict:
 
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     ar_impl = args.ar_attn_impl or ("cudnn" if jax.default_backend() == "gpu" else None)
+    done = _read_runs(args.runs_out) if args.resume and args.runs_out.is_file() else []
+    if done:
+        log(f"resuming: {len(done)} runs already in {args.runs_out}")
     runs_out = None
     if args.runs_out:
         args.runs_out.parent.mkdir(parents=True, exist_ok=True)
@@ -267,10 +265,12 @@ def run(args: argparse.Namespace) -> dict:
         results = run_benchmark(
             target, draft, items, modes=modes, temperatures=temperatures, max_new_tokens=args.max_new_tokens,
             seed=args.seed, attn_impl=args.attn_impl, ar_attn_impl=ar_impl, profile=args.profile, log=log,
-            on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()))
+            on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()),
+            done=tuple(done))
     finally:
         if runs_out is not None:
             runs_out.close()
+    results["runs"] = done + results["runs"]
     summary = summarise(results["runs"])
     device = jax.devices()[0]
     return {
@@ -286,13 +286,17 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _read_runs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def summarise_files(paths: list[Path]) -> dict:
     """The report's summary and tables from --runs-out files (one run per line)."""
     runs = []
     for path in paths:
         if not path.is_file():
             raise UserError(f"{path} does not exist: pass files written by --runs-out")
-        runs += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        runs += _read_runs(path)
     summary = summarise(runs)
     return {"config": {"runs_files": [str(p) for p in paths]}, "runs": runs, "summary": summary,
             "markdown": markdown_tables(summary)}

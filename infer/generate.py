@@ -15,9 +15,9 @@ from pathlib import Path
 import jax
 
 from longspec_jax.attention import IMPLS
-from longspec_jax.draft_io import load_draft
+from longspec_jax.draft_io import inference_draft
 from longspec_jax.errors import UserError
-from longspec_jax.generation import DEFAULT_MODE, MODES, Generator
+from longspec_jax.generation import AUTO_MODE, DEFAULT_MODE, MODES, Generator
 from longspec_jax.target import load_target
 from longspec_jax.tokenizer import decode, encode_prompt
 
@@ -28,8 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
     p.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
     p.add_argument("--target", help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="LongSpec draft checkpoint (mode longspec)")
-    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE, help=f"decoding mode (default {DEFAULT_MODE})")
+    p.add_argument("--draft", help="LongSpec draft checkpoint (default: the one shipped for the target, if any)")
+    p.add_argument("--mode", choices=(*MODES, AUTO_MODE), default=DEFAULT_MODE,
+                   help=f"decoding mode (default {DEFAULT_MODE}: longspec when a draft is given or shipped for the "
+                        "target, as for the embedded SmolLM2; else ar)")
     p.add_argument("--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -115,7 +117,7 @@ class TerminalOutput:
 def run(args: argparse.Namespace) -> int:
     text = read_prompt(args.prompt_file)
     tree_widths = parse_tree_widths(args.tree_widths)
-    if args.draft and args.mode != "longspec":
+    if args.draft and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--draft applies to --mode longspec only: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
         raise UserError("--tree-widths applies to --mode longspec or pld only: drop it or pick one of those modes")
@@ -127,9 +129,14 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=dtype)
     if target.tokenizer is None:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
-    draft = load_draft(args.draft, target) if args.draft else None
+    draft = inference_draft(target, args.draft) if args.draft else None
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
     generator = Generator(target, draft, mode=args.mode, attn_impl=args.attn_impl, tree_widths=tree_widths)
+    if tree_widths and generator.mode == "ar":
+        raise UserError("--tree-widths needs a draft (or --mode pld): this target has no shipped draft, pass --draft")
+    if tty_err:
+        print(f"mode {generator.mode}" + (" with the shipped draft" if generator.mode == "longspec" and draft is None else ""),
+              file=sys.stderr)
 
     stream_text = not args.json and sys.stdout.isatty()
     # Streamed text already shows progress; a bar on the same terminal would garble it.

@@ -1,8 +1,10 @@
 """Plot a benchmark's results: tokens/s per mode per task, and tau against prefill length.
 
-    python -m infer.plot_results results.json --out docs/results.png [--temperature 0]
+    python -m infer.plot_results RESULTS --out docs/results.png [--temperature 0] [--tau-from RESULTS] [--title T]
 
-Reads the JSON written by `python -m infer.benchmark --json-out`; needs matplotlib.
+RESULTS: the JSON of `python -m infer.benchmark --json-out`, or a `--runs-out` jsonl file. Speeds
+come from RESULTS; tau against prefill length from --tau-from when given (tau does not depend on
+the hardware, so a slower machine can measure it), else from RESULTS. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -70,19 +72,38 @@ def draw(series: dict, out: Path, title: str) -> Path:
     return out
 
 
+def load_results(path: Path) -> dict:
+    """A benchmark report from its JSON, or built from a --runs-out jsonl file."""
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: run `python -m infer.benchmark --json-out {path}` first")
+    if path.suffix == ".jsonl":
+        from infer.benchmark import summarise_files
+
+        return summarise_files([path])
+    return json.loads(path.read_text())
+
+
+def default_title(report: dict, temperature: float) -> str:
+    config = report.get("config", {})
+    if "device" not in config:
+        return f"T = {temperature:g}"
+    return f"{Path(config['target']).name} on {config['device']} ({config['backend']}), T = {temperature:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m infer.plot_results", description=__doc__.splitlines()[0])
-    p.add_argument("results", type=Path, help="JSON from `python -m infer.benchmark --json-out`")
+    p.add_argument("results", type=Path, help="JSON of `infer.benchmark --json-out` or a `--runs-out` jsonl file")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--tau-from", type=Path, help="results to take tau against prefill length from")
+    p.add_argument("--title")
     args = p.parse_args(argv)
     try:
-        if not args.results.is_file():
-            raise UserError(f"{args.results} does not exist: run `python -m infer.benchmark --json-out {args.results}` first")
-        report = json.loads(args.results.read_text())
-        config = report["config"]
-        title = f"{Path(config['target']).name} on {config['device']} ({config['backend']}), T = {args.temperature:g}"
-        draw(plot_series(report, args.temperature), args.out, title)
+        report = load_results(args.results)
+        series = plot_series(report, args.temperature)
+        if args.tau_from:
+            series["tau"] = plot_series(load_results(args.tau_from), args.temperature)["tau"]
+        draw(series, args.out, args.title or default_title(report, args.temperature))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,6 +90,16 @@ def init_draft(target, seed: int = 0, *, config: DraftConfig = DraftConfig()) ->
     return Draft(DraftBlock(target.config, config, rngs=nnx.Rngs(seed)))
 
 
+def inference_draft(target, path: str | Path | None = None) -> Draft | None:
+    """The draft to decode `target` with, in the target's dtype: the one at `path`, else the one
+    this project ships for the target (`target.shipped_draft`), else None."""
+    path = path if path is not None else getattr(target, "shipped_draft", None)
+    if path is None:
+        return None
+    draft = load_draft(path, target)
+    return draft if jax.tree.leaves(draft.block)[0].dtype == target.dtype else draft.cast(target.dtype)
+
+
 def load_draft(path: str | Path, target) -> Draft:
     """A float32 draft for `target` from our export, a reference HF draft directory or file, or a
     reference training .pth state dict (see the module docstring)."""

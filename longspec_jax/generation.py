@@ -41,9 +41,10 @@ from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tokenizer import decode, encode_prompt
 
 MODES = ("longspec", "ar", "pld")
-# The mode `generate`, `Generator` and the CLI use when none is given. Flip to "longspec" once the
-# speculative engine and a shipped draft exist.
-DEFAULT_MODE = "ar"
+# The mode `generate`, `Generator` and the CLI use when none is given: longspec when a draft is
+# given or shipped for the target (the embedded SmolLM2 has one), else ar.
+AUTO_MODE = "auto"
+DEFAULT_MODE = AUTO_MODE
 PAD_TOKEN = -1  # fills the output buffer after a sequence stops; never returned
 SMALL_BUCKETS_UP_TO = 256  # up to this, lengths round up to a power of two (>= 16); above, see bucket_length
 
@@ -348,8 +349,14 @@ class Generator:
     """
 
     def __init__(self, target, draft=None, *, mode: str = DEFAULT_MODE, attn_impl: str | None = None, tree_widths=None):
-        if mode not in MODES:
-            raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        if mode not in (*MODES, AUTO_MODE):
+            raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
+        if mode in ("longspec", AUTO_MODE) and draft is None:
+            from longspec_jax.draft_io import inference_draft
+
+            draft = inference_draft(target)  # the shipped one, if any
+        if mode == AUTO_MODE:
+            mode = "longspec" if draft is not None else "ar"
         self.target = target
         self.draft = draft
         self.mode = mode

@@ -24,13 +24,15 @@ def _forward_logits(graphdef, params, tokens):
 
 
 class Target:
-    """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`."""
+    """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`,
+    and `.shipped_draft`: the directory of the draft this project ships for it (None for most targets)."""
 
-    def __init__(self, config: ModelConfig, model: Transformer, tokenizer=None):
+    def __init__(self, config: ModelConfig, model: Transformer, tokenizer=None, shipped_draft: Path | None = None):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = model.dtype
+        self.shipped_draft = shipped_draft
 
     def forward_logits(self, tokens) -> jax.Array:
         """Full causal forward, no cache: int32[B, L] -> float32[B, L, V] (jitted per shape)."""
@@ -41,9 +43,12 @@ class Target:
 def load_target(path: str | Path | None, *, dtype="bfloat16") -> Target:
     """An HF checkpoint directory, a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct."""
     if path is None:
-        from longspec_jax.embedded import smollm2_gguf_path
+        from longspec_jax.embedded import default_draft_dir, smollm2_gguf_path
 
-        return _load_gguf(Path(smollm2_gguf_path()), dtype)
+        target = _load_gguf(Path(smollm2_gguf_path()), dtype)
+        if (default_draft_dir() / "config.json").is_file():
+            target.shipped_draft = default_draft_dir()
+        return target
     path = Path(path)
     if not path.exists():
         raise UserError(f"target path {path} does not exist: pass an HF checkpoint directory or a .gguf file")

@@ -79,8 +79,10 @@ def bad_prompt_files(tmp_path):
         (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}"], "context window"),
         (["--prompt-file", "{tmp}/long.txt", "--target", "{tmp}/no_such_model"], "does not exist"),
         (["--prompt-file", "{tmp}/long.txt", "--tree-widths", "4,x"], "--tree-widths"),
-        (["--prompt-file", "{tmp}/long.txt", "--draft", "{tmp}"], "--mode longspec only"),
-        (["--prompt-file", "{tmp}/long.txt", "--tree-widths", "4,16"], "longspec or pld only"),
+        (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--draft", "{tmp}"], "--mode longspec only"),
+        (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--tree-widths", "4,16"], "longspec or pld only"),
+        # auto mode on a target without a shipped draft decodes AR, where tree widths mean nothing
+        (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--tree-widths", "4,16"], "needs a draft"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(args, message, checkpoint, tmp_path, capsys):

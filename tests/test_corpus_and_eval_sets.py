@@ -206,6 +206,18 @@ def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
         benchmark.run(benchmark.build_parser().parse_args(
             ["--eval-dir", str(tmp_path / "eval"), "--target", str(save_tiny_checkpoint(tmp_path / "t2", tiny_config(vocab_size=96)))]))
 
+    # --resume after a benchmark died before its last run: only that run is made again.
+    runs_file = tmp_path / "runs.jsonl"
+    runs_file.write_text("".join(line + "\n" for line in runs_file.read_text().splitlines()[:-1]))
+    rc = benchmark.main(["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar",
+                         "--tasks", "code_completion", "--temperatures", "0,1", "--max-new-tokens", "6",
+                         "--json-out", str(out), "--runs-out", str(runs_file), "--resume"])
+    resumed = json.loads(out.read_text())["runs"]
+    assert rc == 0 and len(runs_file.read_text().splitlines()) == 4
+    assert resumed[:3] == report["runs"][:3]  # the kept records, timings and all: not run again
+    assert {k: resumed[3][k] for k in ("id", "mode", "temperature", "tokens_sha1")} == \
+        {k: report["runs"][3][k] for k in ("id", "mode", "temperature", "tokens_sha1")}
+
 
 def fake_run(task, mode, temperature, tau, decode_s, bucket=None, prompt_len=100, matches=None):
     return {"id": "x", "task": task, "bucket": bucket, "prompt_len": prompt_len, "mode": mode, "temperature": temperature,
@@ -239,3 +251,23 @@ def test_draw_writes_a_png_or_names_the_missing_dependency(tmp_path):
         return
     out = plot_results.draw(series, tmp_path / "plot.png", "title")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_from_runs_files_takes_tau_from_the_second(tmp_path, capsys):
+    speed_runs = [fake_run("code_completion", "ar", 0.0, 1.0, 2.0), fake_run("code_completion", "longspec", 0.0, 3.0, 0.5),
+                  fake_run("prefill_length", "longspec", 0.0, 9.0, 1.0, "1-2k", 1500)]
+    tau_runs = [fake_run("prefill_length", "longspec", 0.0, 3.5, 9.0, "1-2k", 1500),
+                fake_run("prefill_length", "longspec", 0.0, 3.0, 9.0, "6-8k", 7000)]
+    for name, runs in (("speed.jsonl", speed_runs), ("tau.jsonl", tau_runs)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert plot_results.load_results(tmp_path / "speed.jsonl")["summary"]["by_task"][0]["tokens_per_s"] == 5.0
+    drawn = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plot_results, "draw", lambda series, out, title: drawn.update(series=series, title=title))
+        assert plot_results.main([str(tmp_path / "speed.jsonl"), "--tau-from", str(tmp_path / "tau.jsonl"),
+                                  "--out", str(tmp_path / "p.png"), "--title", "mine"]) == 0
+    assert drawn["title"] == "mine"
+    assert drawn["series"]["speed"]["code_completion"] == {"ar": 5.0, "longspec": 20.0}
+    assert drawn["series"]["tau"]["longspec"] == [("1-2k", 1500, 3.5), ("6-8k", 7000, 3.0)]
+    assert plot_results.main([str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -3,20 +3,27 @@ written with gguf.GGUFWriter (permuted Q/K as llama.cpp writes them) read back t
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
+from longspec_jax import embedded
 from longspec_jax.checkpoint_gguf import read_gguf
+from longspec_jax.checkpoint_hf import model_from_hf_tensors
 from longspec_jax.config import ModelConfig
 from longspec_jax.embedded import smollm2_gguf_path
 from longspec_jax.errors import UserError
+from longspec_jax.target import Target
 
 
 # The SmolLM2 tests share slow module fixtures: one xdist worker runs them all.
 on_smollm2_worker = pytest.mark.xdist_group("smollm2_gguf")
+EVAL_DIR = Path(__file__).resolve().parents[1] / "infer" / "eval_sets" / "smollm2"
+PREFIX, NEW = 600, 32  # the shipped-draft check: prompt tokens kept, tokens generated
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +77,6 @@ def test_smollm2_config_matches_transformers(smollm2, transformers_smollm2):
 def test_smollm2_logits_match_transformers(smollm2, transformers_smollm2):
     """Our model on our tensors (the path load_target takes for a .gguf) against transformers."""
     import torch
-
-    from longspec_jax.checkpoint_hf import model_from_hf_tensors
-    from longspec_jax.target import Target
 
     config = ModelConfig.from_hf_dict(smollm2[0])
     target = Target(config, model_from_hf_tensors(config, smollm2[1], "float32"))
@@ -304,3 +308,31 @@ def test_staging_splits_and_joins_the_embedded_gguf(tmp_path, monkeypatch, capsy
     (tmp_path / "remote" / "part2").write_bytes(b"a part from another split")
     with pytest.raises(SystemExit, match="does not match"):
         stage_gguf.main(["join"])
+
+
+def test_embedded_target_names_its_shipped_draft(monkeypatch):
+    from longspec_jax import target as target_module
+
+    monkeypatch.setattr(target_module, "_load_gguf", lambda path, dtype: Target(None, _StubModel()))
+    assert target_module.load_target(None).shipped_draft == embedded.default_draft_dir()
+    assert (embedded.default_draft_dir() / "model.safetensors").is_file()
+
+
+class _StubModel:
+    dtype = "float32"
+
+
+@on_smollm2_worker
+def test_shipped_draft_is_lossless_and_accepts_on_real_code(smollm2):
+    """The committed draft with the real SmolLM2 in float32: greedy output equal to AR, and it is a
+    trained draft (an untrained one accepts next to nothing: tau ~1)."""
+    from longspec_jax.draft_io import inference_draft
+    from longspec_jax.generation import Generator
+
+    config = ModelConfig.from_hf_dict(smollm2[0])
+    target = Target(config, model_from_hf_tensors(config, smollm2[1], "float32"), shipped_draft=embedded.default_draft_dir())
+    prompt = json.loads((EVAL_DIR / "code_completion.jsonl").read_text().splitlines()[0])["prompt_ids"][:PREFIX]
+    ar = Generator(target, mode="ar").generate(prompt, max_new_tokens=NEW, eos_token_ids=())
+    spec = Generator(target, inference_draft(target), mode="longspec").generate(prompt, max_new_tokens=NEW, eos_token_ids=())
+    assert spec.tokens == ar.tokens
+    assert spec.stats.tau >= 2.0, spec.stats.tau

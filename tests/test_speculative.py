@@ -365,3 +365,15 @@ def chain_log_probs(target_graphdef, draft_graphdef, target_params, draft_params
     target_k, target_v = model.last_layer_kv(seq, positions, attn_impl="xla")
     hidden = draft_hidden(block, model, seq, positions, target_k, target_v, lag)
     return jax.nn.log_softmax(model.lm_logits(hidden)[0, last])
+
+
+def test_auto_mode_uses_a_shipped_draft_else_ar(target, prompts, draft, reference, tmp_path):
+    assert Generator(target).mode == "ar"  # nothing shipped for this target
+    draft.save(tmp_path / "shipped")
+    shipped = sharpened_target(vocab_size=48, eos_token_ids=())  # the same weights as `target`
+    shipped.shipped_draft = tmp_path / "shipped"
+    auto = Generator(shipped, tree_widths=WIDTHS, attn_impl="xla")
+    assert auto.mode == "longspec" and auto.draft is not None
+    assert auto.generate(prompts, max_new_tokens=10, eos_token_ids=()).tokens == [r[:10] for r in reference]
+    assert Generator(shipped, mode="longspec").draft is not None  # an explicit longspec finds it too
+    assert Generator(shipped, mode="ar").mode == "ar"
