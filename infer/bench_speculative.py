@@ -7,11 +7,11 @@ For each target shape and context S (tokens already in the target cache, zeros: 
 matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
   - round: `speculative.spec_decode` (the on-device while_loop `generate` uses) over --rounds
     rounds, per round;
-  - draft / verify / accept: the round's three parts, each its own jitted program run back to
-    back on the loop's state with the cache donated (updated in place, as in the loop;
-    `speculative.profile_round`): the paper's Table 5 analogue. "parts" is their sum per round,
-    printed next to the round so the two can be seen to agree (the parts add a host dispatch and
-    sync each, ~0.1 ms on a GPU, and lose fusion across their boundaries);
+  - draft / verify / accept: the round's three parts, each repeated --rounds times inside its own
+    jitted program on the loop's state with the cache donated (updated in place, as in the loop;
+    `speculative.profile_round`), per repetition: the paper's Table 5 analogue. "parts" is their
+    sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
+    a launch and host sync, and loses fusion across its boundaries);
   - AR: `generation.ar_decode` per step at the same context.
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
 the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
@@ -87,8 +87,8 @@ def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, r
     """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes)."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
-    # Room for the timed loop's rounds and for profile_round's repeats + 1 rounds, each from a fresh state.
-    most_rounds = max(rounds, repeats + 1)
+    # Room for the timed loop's rounds and for profile_round's 1 + rounds acceptances, each from a fresh state.
+    most_rounds = rounds + 1
     config = LoopConfig(mode="longspec", tree_widths=widths, new_bucket=bucket_length((most_rounds + 1) * (len(widths) + 1)), attn_impl=impl)
     drafter, draft_params = drafter_for(draft, widths)
     make = lambda: longspec_state(
@@ -103,7 +103,7 @@ def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, r
         state, seconds = timed(decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
         per_round.append(seconds / rounds)
         del state
-    parts, state = profile_round(graphdef, params, drafter, draft_params, make(), sampling, config, repeats=repeats)
+    parts, state = profile_round(graphdef, params, drafter, draft_params, make(), sampling, config, repeats=rounds)
     return 1e3 * statistics.median(per_round[1:]), parts, cache_bytes(state.draft_state)
 
 

@@ -24,6 +24,8 @@
 #   DRAFT ($RUNS/stage2/draft, else the shipped longspec_jax/drafts/smollm2_135m)  LIMIT (20)
 #   PREFILL_LIMIT (5 per bucket)  MAX_NEW (256)  TEMPS (0,1)  MODES (ar,pld,longspec)  PROFILE (0)
 #   BENCH_S (540): seconds for both benchmark processes together
+#   RESUME_FROM: a folder with runs_main.jsonl / runs_prefill.jsonl of an earlier bench call (e.g.
+#            infer/results/smollm2_h200): those runs are kept and only the missing ones are made
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -147,6 +149,9 @@ bench_run() {  # bench_run NAME TASKS LIMIT TIMEOUT_S
     local args=(--eval-dir infer/eval_sets/smollm2 --target "$GGUF" --draft "$DRAFT" --modes "${MODES:-ar,pld,longspec}"
                 --temperatures "${TEMPS:-0,1}" --tasks "$2" --limit "$3" --max-new-tokens "${MAX_NEW:-256}"
                 --json-out "$OUT/bench_$1.json" --runs-out "$OUT/runs_$1.jsonl")
+    if [ -n "${RESUME_FROM:-}" ] && [ -f "$RESUME_FROM/runs_$1.jsonl" ]; then
+        cp -f "$RESUME_FROM/runs_$1.jsonl" "$OUT/runs_$1.jsonl" && args+=(--resume)
+    fi
     if [ "${PROFILE:-0}" = 1 ]; then args+=(--profile); fi
     echo "== benchmark $1: infer.benchmark ${args[*]}"
     timeout -k 20 "$4" "$PY" -m infer.benchmark "${args[@]}" >"$OUT/bench_$1.md" 2>"$OUT/bench_$1.log"

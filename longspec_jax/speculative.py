@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 from typing import Any
 
@@ -300,63 +299,92 @@ def output_tokens(state: SpecState, new_bucket: int) -> tuple[jax.Array, jax.Arr
 
 
 # ----------------------------------------------------------------------------- profiling
-# The round's three parts as separate programs, run back to back on the loop's own state. Each
-# donates the buffers it updates (draft state, target cache, the whole state at acceptance) and
-# gets its own output back as the next input, so, as inside the loop, the multi-GB target cache
-# is updated in place and never copied: the parts' times add up to the round's.
+# What a round's three parts cost inside one program, as they do in the loop: each part is its own
+# program that repeats the part n times in a fori_loop (n is an argument, so n = 1 and n = repeats
+# share one compilation), fed its own outputs, on the loop's final state. Timed as one call each, a
+# part would also pay a program launch and a host sync (~1 ms on the H200), which on small targets
+# is more than the part itself. The optimization barrier at the top of each repetition ties the
+# part's inputs to the loop's carry, so XLA cannot hoist loop-invariant work out of the loop. Each
+# program donates the buffers it updates (draft state, target cache, the whole state at
+# acceptance), so the multi-GB target cache is updated in place and never copied.
+
+
+def _zeros_like_shapes(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "config"), donate_argnames=("draft_state",))
-def _profile_propose(params, draft_params, state, draft_state, *, graphdef, drafter, config):
-    """state: the loop's state without its draft state (read only: the cache is not written)."""
-    state = state.replace(draft_state=draft_state)
-    return _propose(drafter, draft_params, nnx.merge(graphdef, params), state, config)
+def _repeat_propose(params, draft_params, state, draft_state, n, *, graphdef, drafter, config):
+    """state: the loop's state without its draft state (read only). -> (tree, draft state) of the last repetition."""
+    model = nnx.merge(graphdef, params)
+
+    def propose(s, draft_state):
+        return _propose(drafter, draft_params, model, s.replace(draft_state=draft_state), config)
+
+    def body(_, carry):
+        s, draft_state = jax.lax.optimization_barrier((state, carry[1]))
+        return propose(s, draft_state)
+
+    first = _zeros_like_shapes(jax.eval_shape(propose, state, draft_state))
+    return jax.lax.fori_loop(0, n, body, (first[0], draft_state))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"), donate_argnames=("cache",))
-def _profile_verify(params, tree, cache, *, graphdef, config):
-    return _verify(nnx.merge(graphdef, params), tree, cache, config)
+def _repeat_verify(params, tree, cache, n, *, graphdef, config):
+    """-> (logits, cache) of the last repetition (each writes the tree's K/V to the same rows)."""
+    model = nnx.merge(graphdef, params)
+
+    def body(_, carry):
+        t, c = jax.lax.optimization_barrier((tree, carry[1]))
+        return _verify(model, t, c, config)
+
+    logits = _zeros_like_shapes(jax.eval_shape(lambda c: _verify(model, tree, c, config), cache))[0]
+    return jax.lax.fori_loop(0, n, body, (logits, cache))
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _profile_accept(state, tree, logits, sampling, *, config):
-    """state: holds the verified cache and the proposal's draft state."""
-    acc = _accept(tree, logits, sampling, jax.random.fold_in(state.key, state.rounds + 1))
-    return _finish_round(state, acc, state.cache, state.draft_state, config.depth)
+def _repeat_accept(state, tree, logits, sampling, n, *, config):
+    """state: holds the verified cache and the proposal's draft state. -> the state after n acceptances."""
+
+    def body(_, s):
+        t, lg, s = jax.lax.optimization_barrier((tree, logits, s))
+        acc = _accept(t, lg, sampling, jax.random.fold_in(s.key, s.rounds + 1))
+        return _finish_round(s, acc, s.cache, s.draft_state, config.depth)
+
+    return jax.lax.fori_loop(0, n, body, state)
 
 
-def profile_round_parts(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig):
-    """One round as its three programs -> ((draft, verify, accept) seconds, the next state).
-    Consumes `state` (its buffers are donated); the result is the state `spec_decode` reaches
-    after one round from it."""
+def profile_round_parts(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, n: int = 1):
+    """A round as its three programs, each part repeated n times -> ((draft, verify, accept)
+    seconds, the next state). With n = 1 the result is the state `spec_decode` reaches after one
+    round from `state`. Consumes `state` (its buffers are donated)."""
+    reps = jnp.asarray(n, jnp.int32)
     rest = state.replace(draft_state=None)
     (tree, draft_state), draft_s = timed(
-        functools.partial(_profile_propose, graphdef=graphdef, drafter=drafter, config=config),
-        params, draft_params, rest, state.draft_state,
+        functools.partial(_repeat_propose, graphdef=graphdef, drafter=drafter, config=config),
+        params, draft_params, rest, state.draft_state, reps,
     )
     (logits, cache), verify_s = timed(
-        functools.partial(_profile_verify, graphdef=graphdef, config=config), params, tree, rest.cache
+        functools.partial(_repeat_verify, graphdef=graphdef, config=config), params, tree, rest.cache, reps
     )
     state, accept_s = timed(
-        functools.partial(_profile_accept, config=config),
-        rest.replace(cache=cache, draft_state=draft_state), tree, logits, sampling,
+        functools.partial(_repeat_accept, config=config),
+        rest.replace(cache=cache, draft_state=draft_state), tree, logits, sampling, reps,
     )
     return (draft_s, verify_s, accept_s), state
 
 
-def profile_round(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 5) -> tuple[dict[str, float], SpecState]:
-    """Median milliseconds of a round's draft / verify / accept parts over `repeats` rounds after
-    one warm-up round (which compiles), each part its own program, and their sum per round.
-    -> (times, the state after repeats + 1 rounds). Consumes `state`. The rounds advance the state
-    as the loop would, so the cache needs room for repeats + 1 more rounds unless all are done."""
-    times = []
-    for _ in range(repeats + 1):
-        seconds, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config)
-        times.append(seconds)
-    median_ms = lambda values: 1e3 * statistics.median(values)
-    draft_s, verify_s, accept_s = zip(*times[1:])
-    parts = {"draft_ms": median_ms(draft_s), "verify_ms": median_ms(verify_s), "accept_ms": median_ms(accept_s)}
-    parts["parts_sum_ms"] = median_ms([sum(t) for t in times[1:]])
+def profile_round(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 16) -> tuple[dict[str, float], SpecState]:
+    """Milliseconds per repetition of a round's draft / verify / accept parts, each repeated
+    `repeats` times inside its own program after a one-repetition warm-up (which compiles), and
+    their sum. Includes 1/repeats of a launch and host sync per part. -> (times, the state after
+    1 + repeats acceptances). Consumes `state`. Meant for the loop's final state: sequences that
+    are done keep their lengths, so the cache needs no room for the extra acceptances."""
+    _, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config, n=1)
+    seconds, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config, n=repeats)
+    draft_ms, verify_ms, accept_ms = (1e3 * s / repeats for s in seconds)
+    parts = {"draft_ms": draft_ms, "verify_ms": verify_ms, "accept_ms": accept_ms}
+    parts["parts_sum_ms"] = draft_ms + verify_ms + accept_ms
     return parts, state
 
 

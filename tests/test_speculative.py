@@ -23,8 +23,11 @@ from longspec_jax.model import init_cache
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
 from longspec_jax.speculative import (
     LoopConfig,
+    _repeat_propose,
+    _repeat_verify,
     drafter_for,
     profile_round,
+    profile_round_parts,
     propose_longspec,
     run_with_drafter,
     spec_decode,
@@ -275,35 +278,68 @@ def loop_start(target, prompts, draft):
 
 
 def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, prompts, draft, random_draft_result):
-    """profile_round runs rounds as three programs: they must reach the state the loop reaches
-    (same tokens, cache, draft state) and consume the buffers they update: JAX deletes a donated
-    input only when the program really reuses it for an output, so the target cache was written in
-    place, not copied (a copy per part made the parts outweigh the round on the H200)."""
+    """profile_round_parts runs a round as three programs: once each (n = 1) they must reach the
+    state the loop reaches (same tokens, cache, draft state); repeated (n = 3), draft and verify
+    must redo the same work (same tree, logits and cache: the repetitions are not a different
+    computation). Each consumes the buffers it updates: JAX deletes a donated input only when the
+    program really reuses it for an output, so the target cache was written in place, not copied
+    (a copy per part made the parts outweigh the round on the H200)."""
     graphdef, params = nnx.split(target.model)
     drafter, draft_params = drafter_for(draft, WIDTHS)
     config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
     sampling = SamplingParams.create()
-    repeats = 2  # + 1 warm-up round
+    rounds = 3
 
     looped = loop_start(target, prompts, draft)
-    stop_at = jnp.asarray(repeats + 1, jnp.int32)
+    stop_at = jnp.asarray(rounds, jnp.int32)
     decode, _ = compiled(spec_decode, params, draft_params, looped, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config)
     looped = decode(params, draft_params, looped, stop_at, sampling)
 
     state = loop_start(target, prompts, draft)
     donated = jax.tree.leaves((state.cache, state.draft_state, state.history))
-    parts, profiled = profile_round(graphdef, params, drafter, draft_params, state, sampling, config, repeats=repeats)
-
+    for _ in range(rounds):
+        seconds, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config, n=1)
     assert all(x.is_deleted() for x in donated)
+    assert len(seconds) == 3 and all(np.isfinite(t) and t > 0 for t in seconds)
+    for name in ("rounds", "history", "n_new", "n_pending", "done", "emitted", "active_rounds"):
+        np.testing.assert_array_equal(getattr(state, name), getattr(looped, name), err_msg=name)
+    np.testing.assert_array_equal(state.cache.lengths, looped.cache.lengths)
+    assert int(looped.emitted) >= 2 * rounds  # every round emitted for both sequences
+    for got, want in zip(jax.tree.leaves((state.cache, state.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=1e-5, rtol=1e-5)
+
+    # n repetitions inside one program == n chained one-repetition programs (the loop repeats the part).
+    rest = looped.replace(draft_state=None)
+    statics = dict(graphdef=graphdef, drafter=drafter, config=config)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731 (the programs donate their inputs)
+    one, three = jnp.asarray(1), jnp.asarray(3)
+    chained = (None, copy(looped.draft_state))
+    for _ in range(3):
+        chained = _repeat_propose(params, draft_params, rest, chained[1], one, **statics)
+    repeated = _repeat_propose(params, draft_params, rest, copy(looped.draft_state), three, **statics)
+    assert_trees_close(repeated, chained)
+    tree = repeated[0]
+    chained = (None, copy(looped.cache))
+    for _ in range(3):
+        chained = _repeat_verify(params, tree, chained[1], one, graphdef=graphdef, config=config)
+    assert_trees_close(_repeat_verify(params, tree, copy(looped.cache), three, graphdef=graphdef, config=config), chained)
+
+
+def assert_trees_close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5, rtol=1e-5)
+
+
+def test_profile_round_reports_per_repetition_milliseconds(target, prompts, draft, random_draft_result):
+    graphdef, params = nnx.split(target.model)
+    drafter, draft_params = drafter_for(draft, WIDTHS)
+    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    parts, state = profile_round(graphdef, params, drafter, draft_params, loop_start(target, prompts, draft),
+                                 SamplingParams.create(), config, repeats=2)
     assert set(parts) == {"draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"}
     assert all(np.isfinite(v) and v > 0 for v in parts.values())
-    assert int(profiled.rounds) == int(looped.rounds) == repeats + 1
-    for name in ("history", "n_new", "n_pending", "done", "emitted", "active_rounds"):
-        np.testing.assert_array_equal(getattr(profiled, name), getattr(looped, name), err_msg=name)
-    np.testing.assert_array_equal(profiled.cache.lengths, looped.cache.lengths)
-    assert int(looped.emitted) >= 2 * (repeats + 1)  # every round emitted for both sequences
-    for got, want in zip(jax.tree.leaves((profiled.cache, profiled.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))):
-        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=1e-5, rtol=1e-5)
+    assert parts["parts_sum_ms"] == pytest.approx(parts["draft_ms"] + parts["verify_ms"] + parts["accept_ms"])
+    assert int(state.rounds) == 1 + 2  # the warm-up acceptance and the two repetitions
 
 
 def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prompts, draft, random_draft_result):
