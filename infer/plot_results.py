@@ -62,6 +62,7 @@ def draw(series: dict, out: Path, title: str) -> Path:
     ax_tau.set_xlabel("prefill length (tokens)")
     ax_tau.set_ylabel("tau (tokens per target forward)")
     ax_tau.set_title("acceptance vs context length")
+    ax_tau.set_ylim(bottom=0)  # tau >= 1 always: a zero baseline keeps differences in proportion
     if series["tau"]:
         ax_tau.legend()
     fig.suptitle(title)
