@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Issue 7 on one H200 in three device calls, made back to back: files outside the repository
-# (the staged GGUF, the installed wheels, the training runs) survive between calls only while the
-# machine stays warm (~30 s after a call). Each call carries at most 64 MiB, hence the split GGUF.
+# Issue 7 on one H200 in device calls made back to back: files outside the repository (the staged
+# GGUF, the installed wheels, the training runs) survive between calls only while the machine stays
+# warm (~30 s after a call). Each call carries at most 64 MiB with the working tree (~12 MiB), hence
+# the GGUF in three parts. Every subcommand first stages the GGUF parts it was carried
+# (.stage/partN) and joins the GGUF once all parts are there.
 #
 #   here, once:  bash infer/gpu_issue7.sh prepare   (on the CPU machine, with the project venv active:
 #            the git-ignored inputs a fresh checkout lacks: .whl wheels, .stage/corpus, GGUF parts)
-#   call 1:  bash infer/gpu_issue7.sh stage1   carry .stage/part1 .stage/sha256 .whl
+#   call 1:  bash infer/gpu_issue7.sh stage    carry .stage/part1 .stage/sha256 .whl
 #            installs the missing wheels, stages GGUF part 1, checks every import
-#   call 2:  bash infer/gpu_issue7.sh train    carry .stage/part2 .stage/sha256 .stage/corpus
-#            stages part 2, joins the GGUF, trains stage 1 then stage 2, exports the draft to $OUT/draft
-#   call 3:  bash infer/gpu_issue7.sh bench
+#   call 2:  bash infer/gpu_issue7.sh stage    carry .stage/part2 .stage/sha256
+#   call 3:  bash infer/gpu_issue7.sh train    carry .stage/part3 .stage/sha256 .stage/corpus
+#            joins the GGUF, trains stage 1 then stage 2, exports the draft to $OUT/draft
+#   call 4:  bash infer/gpu_issue7.sh bench
 #            ar, pld and longspec at T = 0 and 1 on the eval sets; each run to $OUT/runs_*.jsonl as it
-#            finishes, tables to $OUT/bench_*.md. On a fresh machine: call 1, then call 3 carrying
-#            .stage/part2 .stage/sha256 (the GGUF is joined first; the draft defaults to the shipped one).
+#            finishes, tables to $OUT/bench_*.md. Benchmark only, on a fresh machine: calls 1 and 2
+#            (call 1 may carry just .whl/gguf-*.whl), then bench carrying .stage/part3 .stage/sha256
+#            (the draft defaults to the shipped one).
 #
 # Each subcommand prints a short summary last. Knobs (environment), for CPU dry runs and reruns:
 #   PYTHON (python3)  STAGE_DIR (/root/stage)  SITE (/tmp/site)  OUT (/tmp/issue7_out)
@@ -80,11 +84,24 @@ stage.main(sys.argv[2:])' "$STAGE_DIR" "$@"
 
 elapsed() { echo "$((SECONDS - START)) s"; }
 
-cmd_stage1() {
-    ensure_packages || { echo "== stage1 FAILED: wheel install"; exit 1; }
-    stage_gguf put-part 1 || { echo "== stage1 FAILED: put-part 1"; exit 1; }
+stage_carried_parts() {  # put every carried .stage/partN; join once all parts are staged
+    local part n
+    for part in .stage/part*; do
+        [ -f "$part" ] || continue
+        n=${part#.stage/part}
+        stage_gguf put-part "$n" || return 1
+    done
+    if [ ! -f "$GGUF" ] && "$PY" -c 'import sys; from pathlib import Path; import infer.stage_gguf as s
+sys.exit(0 if all((Path(sys.argv[1]) / f"part{i + 1}").is_file() for i in range(s.PARTS)) else 1)' "$STAGE_DIR"; then
+        stage_gguf join || return 1
+    fi
+}
+
+cmd_stage() {
+    ensure_packages || { echo "== stage FAILED: wheel install"; exit 1; }
+    stage_carried_parts || { echo "== stage FAILED: staging the GGUF parts"; exit 1; }
     "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -n 1
-    echo "== stage1 summary ($(elapsed))"
+    echo "== stage summary ($(elapsed))"
     ls -l "$STAGE_DIR"
     echo "missing modules: ${MISSING:-none}"
     [ -z "$MISSING" ]
@@ -129,7 +146,7 @@ EOF
 
 cmd_train() {
     ensure_packages || { echo "== train FAILED: wheel install"; exit 1; }
-    stage_gguf put-part 2 && stage_gguf join || { echo "== train FAILED: staging the GGUF"; exit 1; }
+    stage_carried_parts && [ -f "$GGUF" ] || { echo "== train FAILED: the GGUF is not complete (stage parts 1 and 2 first)"; exit 1; }
     local rc=0
     train_stage 1 "${STEPS1:-}" "${TRAIN_SET1:-}" "${TRAIN1_S:-350}" || rc=$?
     if [ "$rc" = 0 ]; then
@@ -165,13 +182,11 @@ bench_run() {  # bench_run NAME TASKS LIMIT TIMEOUT_S
 
 cmd_bench() {
     ensure_packages || { echo "== bench FAILED: wheel install"; exit 1; }
-    if [ ! -f "$GGUF" ] && [ -f .stage/part2 ]; then
-        stage_gguf put-part 2 && stage_gguf join || { echo "== bench FAILED: staging the GGUF"; exit 1; }
-    fi
+    stage_carried_parts || { echo "== bench FAILED: staging the GGUF parts"; exit 1; }
     DRAFT=${DRAFT:-$RUNS/stage2/draft}
     [ -d "$DRAFT" ] || DRAFT=longspec_jax/drafts/smollm2_135m
     if [ ! -f "$GGUF" ] || [ ! -f "$DRAFT/config.json" ]; then
-        echo "== bench FAILED: $GGUF or $DRAFT is missing (the machine went cold?): redo stage1, then bench carrying part 2"
+        echo "== bench FAILED: $GGUF or $DRAFT is missing (the machine went cold?): stage parts 1 and 2, then bench carrying part 3"
         exit 1
     fi
     echo "draft: $DRAFT"
@@ -201,13 +216,13 @@ cmd_prepare() {
     mkdir -p .stage/corpus
     for f in "$corpus"/train/*.jsonl; do gzip -9nc "$f" > ".stage/corpus/$(basename "$f").gz"; done
     "$PY" -m infer.stage_gguf split
-    echo "== prepare summary ($(elapsed))"; du -sh .whl .stage/corpus .stage/part1 .stage/part2
+    echo "== prepare summary ($(elapsed))"; du -sh .whl .stage/corpus .stage/part*
 }
 
 case "${1:-}" in
     prepare) cmd_prepare ;;
-    stage1) cmd_stage1 ;;
+    stage) cmd_stage ;;
     train) cmd_train ;;
     bench) cmd_bench ;;
-    *) echo "usage: bash infer/gpu_issue7.sh prepare|stage1|train|bench (see the header of this file)"; exit 2 ;;
+    *) echo "usage: bash infer/gpu_issue7.sh prepare|stage|train|bench (see the header of this file)"; exit 2 ;;
 esac

@@ -1,9 +1,10 @@
-"""Move the embedded SmolLM2 GGUF (98 MB) to the GPU machine, which takes at most 64 MiB per call.
+"""Move the embedded SmolLM2 GGUF (98 MB) to the GPU machine, which takes at most 64 MiB per call
+(the working tree, ~12 MiB with the shipped draft, included).
 
-Here:             python -m infer.stage_gguf split        -> .stage/part1, .stage/part2, .stage/sha256
-GPU call 1:       (carry .stage/part1 .stage/sha256)  python -m infer.stage_gguf put-part 1
-GPU call 2:       (carry .stage/part2 .stage/sha256)  python -m infer.stage_gguf put-part 2 &&
-                  python -m infer.stage_gguf join     -> prints /root/stage/SmolLM2-135M-Instruct.gguf
+Here:             python -m infer.stage_gguf split        -> .stage/part1..3, .stage/sha256
+GPU call N:       (carry .stage/partN .stage/sha256)  python -m infer.stage_gguf put-part N
+last call:        ... && python -m infer.stage_gguf join  -> prints /root/stage/SmolLM2-135M-Instruct.gguf
+Three parts of ~31 MiB leave room in each call for the wheels or the training corpus.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from longspec_jax.errors import UserError
 LOCAL_DIR = Path(".stage")  # relative to the repository root, git-ignored
 REMOTE_DIR = Path("/root/stage")
 JOINED_NAME = "SmolLM2-135M-Instruct.gguf"
-PARTS = 2
+PARTS = 3
 
 
 def sha256_of(path: Path) -> str:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m infer.stage_gguf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("split", help="cut the installed GGUF into .stage/part1, part2 and write .stage/sha256")
+    sub.add_parser("split", help=f"cut the installed GGUF into .stage/part1..{PARTS} and write .stage/sha256")
     put = sub.add_parser("put-part", help="copy .stage/partN to /root/stage/ (on the GPU machine)")
     put.add_argument("n", type=int, choices=range(1, PARTS + 1))
     sub.add_parser("join", help="join /root/stage/part* into the GGUF and check its sha256")

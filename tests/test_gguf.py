@@ -294,11 +294,12 @@ def test_staging_splits_and_joins_the_embedded_gguf(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(stage_gguf, "REMOTE_DIR", tmp_path / "remote")
     stage_gguf.main(["split"])
     parts = sorted((tmp_path / "local").glob("part*"))
-    assert len(parts) == 2 and all(p.stat().st_size < 60 * 2**20 for p in parts)
-    stage_gguf.main(["put-part", "1"])
-    with pytest.raises(SystemExit, match="lacks part2"):
+    assert len(parts) == stage_gguf.PARTS and all(p.stat().st_size < 40 * 2**20 for p in parts)
+    for n in range(1, stage_gguf.PARTS):
+        stage_gguf.main(["put-part", str(n)])
+    with pytest.raises(SystemExit, match=f"lacks part{stage_gguf.PARTS}"):
         stage_gguf.main(["join"])
-    stage_gguf.main(["put-part", "2"])
+    stage_gguf.main(["put-part", str(stage_gguf.PARTS)])
     capsys.readouterr()
     stage_gguf.main(["join"])
     joined = tmp_path / "remote" / stage_gguf.JOINED_NAME
