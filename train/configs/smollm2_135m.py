@@ -14,7 +14,9 @@ H200 at ~40 % of its ~700 TFLOP/s usable bf16 peak = 280 TFLOP/s. Per trained to
 Stage 1: 505 MFLOP/token -> 280e12 / 505e6 = 554 k tokens/s; 240 s -> 133 M tokens
          = 2030 steps of 64 x 1024 tokens: max_steps 2000 (~12.5 passes over the 10.5 M-token corpus).
 Stage 2: 777 MFLOP/token -> 360 k tokens/s; 60 s -> 21.6 M tokens
-         = 165 steps of 16 x 8192 tokens: max_steps 160.
+         = 165 steps of 16 x 8192 tokens: max_steps 160. Its lr is 5e-5, not the paper's 5e-6: the
+         paper's stage 2 runs thousands of steps on a 7B draft; 160 steps at 5e-6 would not move this one.
+Measured on the H200 (BENCHMARKS.md): 498 k and 412 k tokens/s, 4 min 40 s and 62 s of steps.
 """
 
 from longspec_jax.config import ModelConfig
