@@ -3,7 +3,7 @@
     python -m infer.greedy_divergence --eval-dir infer/eval_sets/smollm2 [--mode longspec|pld]
         [--dtype bfloat16] [--limit 3] [--max-new-tokens 64] [--target PATH] [--draft PATH]
 
-Lossless decoding is exact in float32 (tests/test_speculative_greedy.py). In bfloat16 the target's
+Lossless decoding is exact in float32 (tests/test_speculative.py). In bfloat16 the target's
 logits depend on how a token is computed (alone in an AR step, or among the T tokens of a verify
 forward: different matrix shapes, different rounding), so at a near-tie the two paths can pick
 different tokens and the texts part from there. For each prompt this runs AR and the chosen mode in
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _, items = load_eval_sets(args.eval_dir, args.tasks.split(","), args.limit)
         target, draft = load_models(args.target, args.draft, args.dtype, args.mode == "longspec")
-        exact_target, _ = load_models(args.target, None, "float32", False)
+        exact_target = target if args.dtype == "float32" else load_models(args.target, None, "float32", False)[0]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
