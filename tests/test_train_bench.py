@@ -70,3 +70,30 @@ def test_bad_out_name_and_missing_merge_file_are_user_errors(tmp_path, capsys):
     assert "letters, digits" in capsys.readouterr().err
     assert bench_train.main(["--merge", str(tmp_path / "none.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_random_module_state_matches_the_modules_own_initialiser_in_shape_dtype_and_kind():
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from longspec_jax.draft import DraftBlock
+    from longspec_jax.model import Transformer
+    from train import sharding
+    from train.configs import tiny
+
+    mesh = sharding.make_mesh((1, -1, 1), jax.devices()[:1])
+    for make in (lambda: Transformer(tiny.MODEL, dtype="bfloat16", rngs=nnx.Rngs(0)),
+                 lambda: DraftBlock(tiny.MODEL, rngs=nnx.Rngs(1))):
+        graphdef, state = bench_train._random_module_state(make, mesh)
+        ref_graphdef, ref_state = nnx.split(make())
+        assert graphdef == ref_graphdef
+        drawn, ref = jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(ref_state)
+        assert len(drawn) == len(ref)
+        for (path, leaf), want in zip(drawn, ref):
+            assert (leaf.shape, leaf.dtype) == (want.shape, want.dtype), jax.tree_util.keystr(path)
+            got, want = np.asarray(leaf, np.float32), np.asarray(want, np.float32)
+            if want.ndim == 1:  # norm weights 1 and biases 0, as the module makes them
+                np.testing.assert_array_equal(got, want)
+            else:
+                assert abs(got.std() - 0.02) < 0.004 and abs(got.mean()) < 0.004, jax.tree_util.keystr(path)
