@@ -18,6 +18,9 @@
 #            (call 1 may carry just .whl/gguf-*.whl), then bench carrying .stage/part3 .stage/sha256
 #            (the draft defaults to the shipped one).
 #
+# A device call returns at most 8 files from $OUT: bench alone writes 8 (bench_*.json/md/log and
+# runs_*.jsonl for main and prefill), so a call running more beside it keeps other outputs elsewhere.
+#
 # Each subcommand prints a short summary last. Knobs (environment), for CPU dry runs and reruns:
 #   PYTHON (python3)  STAGE_DIR (/root/stage)  SITE (/tmp/site)  OUT (/tmp/issue7_out)
 #   RUNS ($STAGE_DIR/runs/smollm2_135m)  DATA (.stage/corpus)
