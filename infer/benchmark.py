@@ -2,7 +2,8 @@
 
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
         [--modes ar,pld,longspec] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
-        [--tasks code_completion,summarisation,prefill_length] [--json-out F] [--runs-out F [--resume]] [--profile]
+        [--tasks code_completion,summarisation,prefill_length] [--tree-widths 4,16,16,16,16]
+        [--json-out F] [--runs-out F [--resume]] [--profile]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
 Every prompt runs every mode at every temperature in this one process (batch 1). Compilation is
@@ -58,12 +59,14 @@ def _tokens_digest(tokens: list[int]) -> str:
 
 
 def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_new_tokens: int, seed: int = 0,
-                  attn_impl: str | None = None, ar_attn_impl: str | None = None, profile: bool = False, log=print,
-                  on_run=None, done: tuple[dict, ...] = ()) -> dict:
+                  attn_impl: str | None = None, ar_attn_impl: str | None = None, tree_widths=None, profile: bool = False,
+                  log=print, on_run=None, done: tuple[dict, ...] = ()) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
-    benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs")."""
+    benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs").
+    tree_widths: longspec's tree (default: the engine's); each longspec record carries the one used."""
     from longspec_jax.generation import Generator, plan_lengths
+    from longspec_jax.speculative import resolve_widths
 
     skipped: dict[str, str] = {}
     generators = {}
@@ -72,7 +75,8 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
             skipped[mode] = "no draft: pass --draft PATH (only the embedded SmolLM2 ships one)"
             continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
-        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl)
+        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl,
+                                     tree_widths=tree_widths if mode == "longspec" else None)
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")
 
@@ -115,6 +119,8 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                     "tau": stats.tau, "rounds": stats.rounds, "compile_s": stats.compile_s,
                     "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
                     "profile": stats.profile, "tokens_sha1": digest,
+                    "tree_widths": list(resolve_widths("longspec", tree_widths, target.config.vocab_size))
+                    if mode == "longspec" else None,
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
                 }
                 runs.append(record)
@@ -222,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn-impl", help="xla, cudnn or pallas (default: fastest for the backend)")
     p.add_argument("--ar-attn-impl", help="the AR baseline's attention (default: cudnn on GPU, else --attn-impl)")
+    p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,16)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
     p.add_argument("--json-out", type=Path, help="write the full results here")
@@ -242,6 +249,9 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
     if args.resume and not args.runs_out:
         raise UserError("--resume continues the runs in --runs-out: pass --runs-out FILE too")
+    from infer.generate import parse_tree_widths
+
+    tree_widths = parse_tree_widths(args.tree_widths)
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
     target, draft = load_models(args.target, args.draft, args.dtype, "longspec" in modes)
     if manifest.get("vocab_size") != target.config.vocab_size:
@@ -264,7 +274,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         results = run_benchmark(
             target, draft, items, modes=modes, temperatures=temperatures, max_new_tokens=args.max_new_tokens,
-            seed=args.seed, attn_impl=args.attn_impl, ar_attn_impl=ar_impl, profile=args.profile, log=log,
+            seed=args.seed, attn_impl=args.attn_impl, ar_attn_impl=ar_impl, tree_widths=tree_widths,
+            profile=args.profile, log=log,
             on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()),
             done=tuple(done))
     finally:
@@ -276,7 +287,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "config": {"eval_dir": str(args.eval_dir), "target": args.target or "embedded SmolLM2-135M-Instruct",
                    "draft": args.draft, "dtype": str(target.dtype), "modes": modes, "temperatures": temperatures,
-                   "tasks": tasks, "max_new_tokens": args.max_new_tokens, "limit": args.limit, "seed": args.seed,
+                   "tasks": tasks, "tree_widths": tree_widths, "max_new_tokens": args.max_new_tokens, "limit": args.limit, "seed": args.seed,
                    "attn_impl": args.attn_impl or attention.default_impl(),
                    "ar_attn_impl": ar_impl or args.attn_impl or attention.default_impl(), "backend": jax.default_backend(), "device": device.device_kind,
                    "eval_manifest": manifest},

@@ -271,3 +271,30 @@ def test_plot_from_runs_files_takes_tau_from_the_second(tmp_path, capsys):
     assert drawn["series"]["tau"]["longspec"] == [("1-2k", 1500, 3.5), ("6-8k", 7000, 3.0)]
     assert plot_results.main([str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "p.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp_path):
+    from longspec_jax.draft_io import init_draft
+    from longspec_jax.target import load_target
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    draft = init_draft(load_target(str(target), dtype="float32")).save(tmp_path / "draft")
+    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=2, per_bucket=1)
+    tok = CharTokenizer()
+    sets = build_eval_sets.build_eval_sets(fake_documents("code", 4, 20), fake_documents("doc", 4, 12), tok, spec)
+    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    out = tmp_path / "results.json"
+    common = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--draft", str(draft), "--modes", "ar,longspec",
+              "--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "8", "--limit", "1"]
+
+    assert benchmark.main([*common, "--tree-widths", "2,3", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["tree_widths"] == [2, 3]
+    by_mode = {r["mode"]: r for r in report["runs"]}
+    assert by_mode["ar"]["tree_widths"] is None
+    assert by_mode["longspec"]["tree_widths"] == [2, 3] and by_mode["longspec"]["matches_ar"] is True
+
+    assert benchmark.main([*common, "--modes", "longspec", "--json-out", str(out)]) == 0
+    assert json.loads(out.read_text())["runs"][0]["tree_widths"] == [4, 16, 16, 16, 16]  # the engine's default
+    assert benchmark.main([*common, "--tree-widths", "4,x"]) == 2
