@@ -70,10 +70,17 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
 
     skipped: dict[str, str] = {}
     generators = {}
+    longspec_widths = None
     for mode in sorted(modes, key=lambda m: m != "ar"):  # AR first: the others are checked against it
         if mode == "longspec" and draft is None:
             skipped[mode] = "no draft: pass --draft PATH (only the embedded SmolLM2 ships one)"
             continue
+        if mode == "longspec":
+            try:
+                longspec_widths = list(resolve_widths("longspec", tree_widths, target.config.vocab_size))
+            except UserError as e:
+                skipped[mode] = str(e)
+                continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
         generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl,
                                      tree_widths=tree_widths if mode == "longspec" else None)
@@ -119,8 +126,7 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                     "tau": stats.tau, "rounds": stats.rounds, "compile_s": stats.compile_s,
                     "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
                     "profile": stats.profile, "tokens_sha1": digest,
-                    "tree_widths": list(resolve_widths("longspec", tree_widths, target.config.vocab_size))
-                    if mode == "longspec" else None,
+                    "tree_widths": longspec_widths if mode == "longspec" else None,
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
                 }
                 runs.append(record)

@@ -69,7 +69,7 @@ def step_flops(model: ModelConfig, *, batch: int, seq_len: int, window: int = 51
 
 def _random_module_state(make, mesh):
     """A module's parameters drawn on the devices directly in their planned shardings (a 7B host
-    copy would be slow and, for bigger targets, not fit): norm scales 1, biases 0, other weights
+    copy would be slow and, for bigger targets, not fit): norm weights 1, biases 0, other weights
     N(0, 0.02). One small program per distinct (shape, dtype, sharding): jitting the module's whole
     initialiser instead had XLA compile one 7B random-init program for over 200 s on the H200 (2026-11-30)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make))
