@@ -66,6 +66,7 @@ def log(*parts):
 
 # ---------------------------------------------------------------- timing and ceilings
 
+
 def time_call(fn, input_sets, groups: int = 7) -> float:
     """Median seconds per call over `groups` groups of back-to-back calls (compile + warm-up first).
 
@@ -101,13 +102,19 @@ def measure_ceilings():
     bandwidth = max(copy_rate, read_rate)
     del big
     n = 8192
-    mats = [(jax.random.normal(jax.random.fold_in(keys[2], i), (n, n), DTYPE),
-             jax.random.normal(jax.random.fold_in(keys[2], 10 + i), (n, n), DTYPE)) for i in range(2)]
+    mats = [
+        (
+            jax.random.normal(jax.random.fold_in(keys[2], i), (n, n), DTYPE),
+            jax.random.normal(jax.random.fold_in(keys[2], 10 + i), (n, n), DTYPE),
+        )
+        for i in range(2)
+    ]
     t_mm = time_call(jax.jit(jnp.matmul), mats)
     return bandwidth, 2 * n**3 / t_mm
 
 
 # ---------------------------------------------------------------- the four methods
+
 
 def xla_dense(q, k_all, v_all, mask_all):
     return attention.masked_softmax_attention(q, k_all, v_all, mask_all)[0]
@@ -130,6 +137,7 @@ def hybrid_pallas_config(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask
 
 # ---------------------------------------------------------------- inputs
 
+
 def input_set_count(b, t, hkv, s) -> int:
     set_bytes = 2 * 2 * b * (s + t) * hkv * D * 2  # K, V for the hybrid and again concatenated
     return int(min(8, max(2, -(-CYCLE_BYTES // set_bytes))))
@@ -148,12 +156,12 @@ def make_inputs(key, b, t, hkv, s, cache_len=None, tree=True):
     cache_len = np.full((b,), s, np.int32) if cache_len is None else np.asarray(cache_len, np.int32)
     hybrid_args = (q, k_cache, v_cache, jnp.asarray(cache_len), k_new, v_new, jnp.asarray(tree_mask))
     mask_all = np.concatenate([cache_visibility(cache_len, t, s), tree_mask], axis=-1)
-    dense_args = (q, jnp.concatenate([k_cache, k_new], 1), jnp.concatenate([v_cache, v_new], 1),
-                  jnp.asarray(mask_all))
+    dense_args = (q, jnp.concatenate([k_cache, k_new], 1), jnp.concatenate([v_cache, v_new], 1), jnp.asarray(mask_all))
     return hybrid_args, dense_args
 
 
 # ---------------------------------------------------------------- correctness on the GPU
+
 
 def relative_error(got, want):
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
@@ -182,7 +190,9 @@ def check_correctness(best_config) -> bool:
             "hybrid_cudnn": lambda: (jax.jit(functools.partial(hybrid, impl="cudnn"))(*hyb), None),
             "hybrid_pallas": lambda: (jax.jit(functools.partial(hybrid, impl="pallas"))(*hyb), None),
             "hybrid_pallas_tuned": lambda: (
-                jax.jit(functools.partial(hybrid_pallas_config, config=best_config))(*hyb), None),
+                jax.jit(functools.partial(hybrid_pallas_config, config=best_config))(*hyb),
+                None,
+            ),
             "cache_pallas": lambda: jax.jit(functools.partial(attention.cache_attention, impl="pallas"))(*hyb[:4]),
             "cache_cudnn": lambda: jax.jit(functools.partial(attention.cache_attention, impl="cudnn"))(*hyb[:4]),
             "masked_pallas": lambda: jax.jit(masked_attention)(hyb[0], hyb[4], hyb[5], hyb[6]),
@@ -204,8 +214,10 @@ def check_correctness(best_config) -> bool:
                 err_o, err_lse = relative_error(o, want_o), 0.0
             good = err_o < 2e-2 and err_lse < 2e-2
             ok &= good
-            log(f"  check B={b} T={t} Hkv={hkv} S={s} lens={lengths} {name:20s} "
-                f"rel_err(o)={err_o:.2e} abs_err(lse)={err_lse:.2e} {'PASS' if good else 'FAIL'}")
+            log(
+                f"  check B={b} T={t} Hkv={hkv} S={s} lens={lengths} {name:20s} "
+                f"rel_err(o)={err_o:.2e} abs_err(lse)={err_lse:.2e} {'PASS' if good else 'FAIL'}"
+            )
     return check_prefill() and ok
 
 
@@ -230,12 +242,15 @@ def check_prefill(b=2, length=300, hkv=8, lengths=(300, 123)) -> bool:
             ok = False
             continue
         ok &= err < 2e-2
-        log(f"  check prefill B={b} L={length} Hkv={hkv} lens={lengths.tolist()} {impl:8s} rel_err(o)={err:.2e} "
-            f"{'PASS' if err < 2e-2 else 'FAIL'}")
+        log(
+            f"  check prefill B={b} L={length} Hkv={hkv} lens={lengths.tolist()} {impl:8s} rel_err(o)={err:.2e} "
+            f"{'PASS' if err < 2e-2 else 'FAIL'}"
+        )
     return ok
 
 
 # ---------------------------------------------------------------- tuning and the table
+
 
 def tune(t, s, hkv, b):
     """Time every TUNE_CONFIGS entry of (d) at one shape; returns (best config, [(config, seconds)])."""
@@ -266,10 +281,14 @@ def bench_shape(b, t, hkv, s, bandwidth, flops_rate, configs, breakdown=False):
         "hybrid_pallas": (jax.jit(functools.partial(hybrid_pallas_config, config=configs[b, hkv])), hyb_sets),
     }
     if breakdown:
-        fns["part_cache_cudnn"] = (jax.jit(functools.partial(attention.cache_attention, impl="cudnn")),
-                                   [h[:4] for h in hyb_sets])
-        fns["part_cache_pallas"] = (jax.jit(functools.partial(pallas_cache.cache_attention, **configs[b, hkv])),
-                                    [h[:4] for h in hyb_sets])
+        fns["part_cache_cudnn"] = (
+            jax.jit(functools.partial(attention.cache_attention, impl="cudnn")),
+            [h[:4] for h in hyb_sets],
+        )
+        fns["part_cache_pallas"] = (
+            jax.jit(functools.partial(pallas_cache.cache_attention, **configs[b, hkv])),
+            [h[:4] for h in hyb_sets],
+        )
         fns["part_masked_pallas"] = (jax.jit(masked_attention), [(h[0], h[4], h[5], h[6]) for h in hyb_sets])
     row = {}
     for name, (fn, args) in fns.items():
@@ -288,19 +307,26 @@ def bench_shape(b, t, hkv, s, bandwidth, flops_rate, configs, breakdown=False):
 
 def format_table(rows):
     extra = sorted({k for r in rows for k in r["times"] if k.startswith("part_")})
-    head = ("| B | Hkv | S | T | " + " | ".join(f"{m} ms" for m in METHODS + tuple(extra))
-            + " | floor ms | best hybrid / floor | (a) / best hybrid |")
+    head = (
+        "| B | Hkv | S | T | "
+        + " | ".join(f"{m} ms" for m in METHODS + tuple(extra))
+        + " | floor ms | best hybrid / floor | (a) / best hybrid |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         tm = r["times"]
-        cells = [f"{tm[m] * 1e3:.3f}" if tm.get(m) else ("-" if m not in tm else "fail")
-                 for m in METHODS + tuple(extra)]
+        cells = [
+            f"{tm[m] * 1e3:.3f}" if tm.get(m) else ("-" if m not in tm else "fail") for m in METHODS + tuple(extra)
+        ]
         hybrids = [tm[m] for m in ("hybrid_cudnn", "hybrid_pallas") if tm.get(m)]
         best = min(hybrids) if hybrids else None
         ratio = f"{best / tm['floor']:.2f}x" if best else "-"
         speed = f"{tm['xla_dense'] / best:.2f}x" if best and tm.get("xla_dense") else "-"
-        lines.append(f"| {r['b']} | {r['hkv']} | {r['s']} | {r['t']} | " + " | ".join(cells)
-                     + f" | {tm['floor'] * 1e3:.3f} ({tm['floor_kind']}) | {ratio} | {speed} |")
+        lines.append(
+            f"| {r['b']} | {r['hkv']} | {r['s']} | {r['t']} | "
+            + " | ".join(cells)
+            + f" | {tm['floor'] * 1e3:.3f} ({tm['floor_kind']}) | {ratio} | {speed} |"
+        )
     return "\n".join(lines)
 
 
@@ -317,12 +343,16 @@ def target_verdicts(rows):
             continue
         name, best = min(hybrids.items(), key=lambda x: x[1])
         vs_floor = best / tm["floor"]
-        line = (f"B={r['b']} Hkv={r['hkv']} T=74 S=32k: best {name} {best * 1e3:.3f} ms = {vs_floor:.2f}x floor "
-                f"(target <= 1.5x: {'MET' if vs_floor <= 1.5 else f'MISSED by {vs_floor / 1.5:.2f}x'})")
+        line = (
+            f"B={r['b']} Hkv={r['hkv']} T=74 S=32k: best {name} {best * 1e3:.3f} ms = {vs_floor:.2f}x floor "
+            f"(target <= 1.5x: {'MET' if vs_floor <= 1.5 else f'MISSED by {vs_floor / 1.5:.2f}x'})"
+        )
         if tm.get("xla_dense"):
             speed = tm["xla_dense"] / best
-            line += (f"; {speed:.2f}x faster than xla_dense (target >= 4x: "
-                     f"{'MET' if speed >= 4 else f'MISSED by {4 / speed:.2f}x'})")
+            line += (
+                f"; {speed:.2f}x faster than xla_dense (target >= 4x: "
+                f"{'MET' if speed >= 4 else f'MISSED by {4 / speed:.2f}x'})"
+            )
         out.append(line)
     return out
 
@@ -337,8 +367,11 @@ def main(argv=None):
     parser.add_argument("--tree-sizes", default="74,16,128", help="outermost loop, first one first")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--kv-heads", default="32,8")
-    parser.add_argument("--tune", action="store_true",
-                        help="pick the split-K config of (d) per (B, Hkv) at T=74, S=32k (else the library default)")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="pick the split-K config of (d) per (B, Hkv) at T=74, S=32k (else the library default)",
+    )
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop adding table rows after this")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args(argv)
@@ -370,28 +403,46 @@ def main(argv=None):
                     if time.perf_counter() - started > args.budget_s:
                         skipped.append(f"B={b} Hkv={hkv} T={t} S={s}")
                         continue
-                    times = bench_shape(b, t, hkv, s, bandwidth, flops_rate, configs,
-                                        breakdown=(t == 74 and s == 32768))
+                    times = bench_shape(
+                        b, t, hkv, s, bandwidth, flops_rate, configs, breakdown=(t == 74 and s == 32768)
+                    )
                     rows.append(dict(b=b, hkv=hkv, t=t, s=s, times=times))
-                    log(f"  B={b} Hkv={hkv} T={t} S={s}: " + ", ".join(
-                        f"{k}={v * 1e3:.3f}ms" for k, v in times.items() if isinstance(v, float)))
+                    log(
+                        f"  B={b} Hkv={hkv} T={t} S={s}: "
+                        + ", ".join(f"{k}={v * 1e3:.3f}ms" for k, v in times.items() if isinstance(v, float))
+                    )
     if skipped:
         log(f"time budget reached; not measured: {'; '.join(skipped)}")
 
     table = format_table(rows)
     verdicts = target_verdicts(rows)
-    report = [f"device {device.device_kind}; jax {jax.__version__}; bandwidth {bandwidth / 1e12:.2f} TB/s; "
-              f"matmul {flops_rate / 1e12:.0f} TFLOP/s; correctness {'PASS' if correct else 'FAIL'}",
-              f"split-K configs of (d) per (B, Hkv), {{}} = library defaults: {configs}", "", table, "",
-              *verdicts, *([f"not measured (time budget): {'; '.join(skipped)}"] if skipped else [])]
+    report = [
+        f"device {device.device_kind}; jax {jax.__version__}; bandwidth {bandwidth / 1e12:.2f} TB/s; "
+        f"matmul {flops_rate / 1e12:.0f} TFLOP/s; correctness {'PASS' if correct else 'FAIL'}",
+        f"split-K configs of (d) per (B, Hkv), {{}} = library defaults: {configs}",
+        "",
+        table,
+        "",
+        *verdicts,
+        *([f"not measured (time budget): {'; '.join(skipped)}"] if skipped else []),
+    ]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
             f.write("\n".join(report) + "\n")
         with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump(dict(rows=rows, configs={str(k): v for k, v in configs.items()},
-                           tuning={str(k): v for k, v in tuning.items()}, bandwidth=bandwidth,
-                           flops_rate=flops_rate, correct=correct), f, indent=1)
+            json.dump(
+                dict(
+                    rows=rows,
+                    configs={str(k): v for k, v in configs.items()},
+                    tuning={str(k): v for k, v in tuning.items()},
+                    bandwidth=bandwidth,
+                    flops_rate=flops_rate,
+                    correct=correct,
+                ),
+                f,
+                indent=1,
+            )
     log("\n".join(report))
 
 

@@ -27,18 +27,42 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.config import ModelConfig
-from longspec_jax.generation import StopRule, ar_decode, ar_single_step, ar_start, bucket_length, cache_bytes, compiled, timed
+from longspec_jax.generation import (
+    StopRule,
+    ar_decode,
+    ar_single_step,
+    ar_start,
+    bucket_length,
+    cache_bytes,
+    compiled,
+    timed,
+)
 from longspec_jax.model import init_cache
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.target import random_target
 
 VICUNA_7B = ModelConfig(
-    model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-    num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=65536,
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=65536,
 )
 TINY = ModelConfig(
-    model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+    model_type="llama",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
 )
 LOOP_VS_ALONE_TOLERANCE = 1.15  # loop step / alone step above this is worth a look
 
@@ -62,7 +86,9 @@ def measure_bandwidth(num_bytes: int, repeats: int) -> float:
     return 2 * x.size * 4 / seconds
 
 
-def bench_one(target, graphdef, params, *, impl: str, context: int, batch: int, steps: int, repeats: int) -> tuple[float, float]:
+def bench_one(
+    target, graphdef, params, *, impl: str, context: int, batch: int, steps: int, repeats: int
+) -> tuple[float, float]:
     """(ms per step inside the device loop, ms per step as its own jitted program)."""
     config = target.config
     cache = init_cache(config, batch, context + bucket_length(2 * steps + 2), target.dtype)
@@ -107,7 +133,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     steps = args.steps or (3 if args.small else 64)
     copy_bytes = 2**24 if args.small else 2**32
 
-    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}")
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+    )
     bandwidth = measure_bandwidth(copy_bytes, max(args.repeats, 3))
     print(f"bandwidth (elementwise pass over {copy_bytes / 2**30:.2f} GiB, read + write): {bandwidth / 1e9:.0f} GB/s")
     t0 = time.perf_counter()
@@ -115,32 +143,49 @@ def main(argv: list[str] | None = None) -> list[Row]:
     graphdef, params = nnx.split(target.model)
     jax.block_until_ready(params)
     weight_bytes = cache_bytes(params)
-    print(f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: {weight_bytes / 1e9:.2f} GB of weights "
-          f"(random, built in {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: {weight_bytes / 1e9:.2f} GB of weights "
+        f"(random, built in {time.perf_counter() - t0:.0f} s)"
+    )
 
     kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
     rows = []
     for impl in impls:
         for context in contexts:
-            row = Row(impl, context, floor_ms=1e3 * (weight_bytes + args.batch * context * kv_bytes_per_token) / bandwidth)
+            row = Row(
+                impl, context, floor_ms=1e3 * (weight_bytes + args.batch * context * kv_bytes_per_token) / bandwidth
+            )
             try:
                 row.loop_ms, row.alone_ms = bench_one(
-                    target, graphdef, params, impl=impl, context=context, batch=args.batch, steps=steps, repeats=args.repeats
+                    target,
+                    graphdef,
+                    params,
+                    impl=impl,
+                    context=context,
+                    batch=args.batch,
+                    steps=steps,
+                    repeats=args.repeats,
                 )
             except Exception as e:  # an implementation missing on this backend is a row, not a crash
                 row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
             rows.append(row)
 
-    print(f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; floor = (weights + KV) / bandwidth")
-    print(f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}{'alone ms':>10}{'loop/alone':>11}")
+    print(
+        f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; floor = (weights + KV) / bandwidth"
+    )
+    print(
+        f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}{'alone ms':>10}{'loop/alone':>11}"
+    )
     for r in rows:
         if r.error:
             print(f"{r.impl:<7}{r.context:>8}  unavailable: {r.error}")
             continue
         ratio = r.loop_ms / r.alone_ms
         flag = "  <- loop slower than a step alone" if ratio > LOOP_VS_ALONE_TOLERANCE else ""
-        print(f"{r.impl:<7}{r.context:>8}{r.loop_ms:>10.3f}{1e3 * args.batch / r.loop_ms:>9.1f}{r.floor_ms:>10.3f}"
-              f"{r.floor_ms / r.loop_ms:>11.2f}{r.alone_ms:>10.3f}{ratio:>11.2f}{flag}")
+        print(
+            f"{r.impl:<7}{r.context:>8}{r.loop_ms:>10.3f}{1e3 * args.batch / r.loop_ms:>9.1f}{r.floor_ms:>10.3f}"
+            f"{r.floor_ms / r.loop_ms:>11.2f}{r.alone_ms:>10.3f}{ratio:>11.2f}{flag}"
+        )
     return rows
 
 

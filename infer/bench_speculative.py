@@ -42,17 +42,40 @@ from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
 
 SHAPES = {
     "vicuna7b": ModelConfig(
-        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
-        num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
     ),
     "llama3_8b": ModelConfig(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
         max_position_embeddings=131072,
     ),
     "tiny": ModelConfig(
-        model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
     ),
 }
 
@@ -89,15 +112,31 @@ def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, r
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
     # Room for the timed loop's rounds and for profile_round's 1 + rounds acceptances, each from a fresh state.
     most_rounds = rounds + 1
-    config = LoopConfig(mode="longspec", tree_widths=widths, new_bucket=bucket_length((most_rounds + 1) * (len(widths) + 1)), attn_impl=impl)
+    config = LoopConfig(
+        mode="longspec",
+        tree_widths=widths,
+        new_bucket=bucket_length((most_rounds + 1) * (len(widths) + 1)),
+        attn_impl=impl,
+    )
     drafter, draft_params = drafter_for(draft, widths)
     make = lambda: longspec_state(
-        target, graphdef, params, drafter, draft_params, context=context, batch=batch, widths=widths,
-        config=config, sampling=sampling, stop=stop,
+        target,
+        graphdef,
+        params,
+        drafter,
+        draft_params,
+        context=context,
+        batch=batch,
+        widths=widths,
+        config=config,
+        sampling=sampling,
+        stop=stop,
     )
     stop_at = jnp.asarray(rounds, jnp.int32)
     state = make()
-    decode, _ = compiled(spec_decode, params, draft_params, state, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config)
+    decode, _ = compiled(
+        spec_decode, params, draft_params, state, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config
+    )
     per_round = []
     for _ in range(repeats + 1):  # the first run warms up
         state, seconds = timed(decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
@@ -122,7 +161,9 @@ def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
     per_step = []
     for _ in range(repeats + 1):
         fresh = start(last_logits, sampling, key, stop)
-        (cache, _), seconds = timed(decode, params, cache.replace(lengths=jnp.full((batch,), context, jnp.int32)), fresh, stop_at, sampling)
+        (cache, _), seconds = timed(
+            decode, params, cache.replace(lengths=jnp.full((batch,), context, jnp.int32)), fresh, stop_at, sampling
+        )
         per_step.append(seconds / steps)
     return 1e3 * statistics.median(per_step[1:])
 
@@ -145,7 +186,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rounds = args.rounds or (3 if args.small else 32)
     dtype = "float32" if args.small else "bfloat16"
 
-    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}")
+    print(
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+    )
     rows = []
     for shape in shapes:
         t0 = time.perf_counter()
@@ -153,36 +196,61 @@ def main(argv: list[str] | None = None) -> list[Row]:
         draft = init_draft(target, seed=1, config=DraftConfig()).cast(target.dtype)
         graphdef, params = nnx.split(target.model)
         jax.block_until_ready(params)
-        print(f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
-              f"(random, built in {time.perf_counter() - t0:.0f} s)")
+        print(
+            f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
+            f"(random, built in {time.perf_counter() - t0:.0f} s)"
+        )
         for context in contexts:
             row = Row(shape, context)
             try:
                 row.round_ms, parts, draft_bytes = bench_longspec(
-                    target, graphdef, params, draft, context=context, batch=args.batch, widths=widths,
-                    rounds=rounds, repeats=args.repeats, impl=args.impl,
+                    target,
+                    graphdef,
+                    params,
+                    draft,
+                    context=context,
+                    batch=args.batch,
+                    widths=widths,
+                    rounds=rounds,
+                    repeats=args.repeats,
+                    impl=args.impl,
                 )
                 row.draft_ms, row.verify_ms, row.accept_ms = parts["draft_ms"], parts["verify_ms"], parts["accept_ms"]
                 row.parts_sum_ms = parts["parts_sum_ms"]
                 row.draft_cache_mib = draft_bytes / 2**20
-                row.ar_ms = bench_ar(target, graphdef, params, context=context, batch=args.batch, steps=rounds, repeats=args.repeats, impl=args.impl)
+                row.ar_ms = bench_ar(
+                    target,
+                    graphdef,
+                    params,
+                    context=context,
+                    batch=args.batch,
+                    steps=rounds,
+                    repeats=args.repeats,
+                    impl=args.impl,
+                )
             except Exception as e:  # out of memory at a long context is a row, not a crash
                 row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             rows.append(row)
             print(row, flush=True)
         del target, draft, params
 
-    print(f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
-          f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured.")
+    print(
+        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
+        f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
+    )
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
-    print(f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
-          f"{'proj. x':>9}{'draft MiB':>11}")
+    print(
+        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
+        f"{'proj. x':>9}{'draft MiB':>11}"
+    )
     for r in rows:
         if r.error:
             print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
             continue
-        print(f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
-              f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}")
+        print(
+            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
+            f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
+        )
     return rows
 
 

@@ -37,7 +37,9 @@ def load_eval_sets(eval_dir: str | Path, tasks=TASKS, limit: int | None = None) 
     eval_dir = Path(eval_dir)
     manifest_path = eval_dir / "manifest.json"
     if not manifest_path.is_file():
-        raise UserError(f"{eval_dir} holds no manifest.json: build the sets with `python -m infer.build_eval_sets --out {eval_dir}`")
+        raise UserError(
+            f"{eval_dir} holds no manifest.json: build the sets with `python -m infer.build_eval_sets --out {eval_dir}`"
+        )
     manifest = json.loads(manifest_path.read_text())
     items = []
     for task in tasks:
@@ -58,9 +60,23 @@ def _tokens_digest(tokens: list[int]) -> str:
     return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
-def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_new_tokens: int, seed: int = 0,
-                  attn_impl: str | None = None, ar_attn_impl: str | None = None, tree_widths=None, profile: bool = False,
-                  log=print, on_run=None, done: tuple[dict, ...] = ()) -> dict:
+def run_benchmark(
+    target,
+    draft,
+    items: list[dict],
+    *,
+    modes,
+    temperatures,
+    max_new_tokens: int,
+    seed: int = 0,
+    attn_impl: str | None = None,
+    ar_attn_impl: str | None = None,
+    tree_widths=None,
+    profile: bool = False,
+    log=print,
+    on_run=None,
+    done: tuple[dict, ...] = (),
+) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
     benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs").
@@ -82,8 +98,13 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                 skipped[mode] = str(e)
                 continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
-        generators[mode] = Generator(target, draft if mode == "longspec" else None, mode=mode, attn_impl=impl,
-                                     tree_widths=tree_widths if mode == "longspec" else None)
+        generators[mode] = Generator(
+            target,
+            draft if mode == "longspec" else None,
+            mode=mode,
+            attn_impl=impl,
+            tree_widths=tree_widths if mode == "longspec" else None,
+        )
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")
 
@@ -94,7 +115,9 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
     runs = []
     for item in items:
         if item["prompt_len"] + max_new_tokens > window:
-            log(f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens exceed the {window}-token window")
+            log(
+                f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens exceed the {window}-token window"
+            )
             continue
         for temperature in temperatures:
             for mode, generator in list(generators.items()):
@@ -120,20 +143,33 @@ def run_benchmark(target, draft, items: list[dict], *, modes, temperatures, max_
                     ar_digest[item["id"], temperature] = digest
                 reference = ar_digest.get((item["id"], temperature))
                 record = {
-                    "id": item["id"], "task": item["task"], "bucket": item.get("bucket"), "prompt_len": item["prompt_len"],
-                    "mode": mode, "temperature": temperature, "new_tokens": stats.new_tokens,
-                    "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tokens_per_s": stats.tokens_per_s,
-                    "tau": stats.tau, "rounds": stats.rounds, "compile_s": stats.compile_s,
-                    "target_cache_bytes": stats.target_cache_bytes, "draft_cache_bytes": stats.draft_cache_bytes,
-                    "profile": stats.profile, "tokens_sha1": digest,
+                    "id": item["id"],
+                    "task": item["task"],
+                    "bucket": item.get("bucket"),
+                    "prompt_len": item["prompt_len"],
+                    "mode": mode,
+                    "temperature": temperature,
+                    "new_tokens": stats.new_tokens,
+                    "prefill_s": stats.prefill_s,
+                    "decode_s": stats.decode_s,
+                    "tokens_per_s": stats.tokens_per_s,
+                    "tau": stats.tau,
+                    "rounds": stats.rounds,
+                    "compile_s": stats.compile_s,
+                    "target_cache_bytes": stats.target_cache_bytes,
+                    "draft_cache_bytes": stats.draft_cache_bytes,
+                    "profile": stats.profile,
+                    "tokens_sha1": digest,
                     "tree_widths": longspec_widths if mode == "longspec" else None,
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
                 }
                 runs.append(record)
                 if on_run is not None:
                     on_run(record)
-                log(f"{item['id']} ({item['prompt_len']} tokens) {mode} T={temperature}: tau {stats.tau:.2f}, "
-                    f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens")
+                log(
+                    f"{item['id']} ({item['prompt_len']} tokens) {mode} T={temperature}: tau {stats.tau:.2f}, "
+                    f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens"
+                )
     return {"runs": runs, "skipped_modes": skipped}
 
 
@@ -158,6 +194,7 @@ def _group_stats(runs: list[dict]) -> dict:
 
 def summarise(runs: list[dict]) -> dict:
     """Per (task, temperature, mode) and per (prefill bucket, temperature, mode) aggregates."""
+
     def grouped(key_fields, selected):
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for r in selected:
@@ -171,9 +208,11 @@ def summarise(runs: list[dict]) -> dict:
         g["speedup_vs_ar"] = g["tokens_per_s"] / ar if ar else None
     by_bucket = grouped(("bucket", "temperature", "mode"), [r for r in runs if r["bucket"] is not None])
     tau_change = {}
-    for (temperature, mode) in {(g["temperature"], g["mode"]) for g in by_bucket}:
-        rows = sorted((g for g in by_bucket if (g["temperature"], g["mode"]) == (temperature, mode)),
-                      key=lambda g: g["mean_prompt_len"])
+    for temperature, mode in {(g["temperature"], g["mode"]) for g in by_bucket}:
+        rows = sorted(
+            (g for g in by_bucket if (g["temperature"], g["mode"]) == (temperature, mode)),
+            key=lambda g: g["mean_prompt_len"],
+        )
         if len(rows) > 1 and rows[0]["mean_tau"] > 0:
             tau_change[f"{mode} T={temperature}"] = rows[-1]["mean_tau"] / rows[0]["mean_tau"] - 1.0
     return {"by_task": by_task, "by_bucket": by_bucket, "tau_change_shortest_to_longest_bucket": tau_change}
@@ -184,17 +223,26 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown_tables(summary: dict) -> str:
-    lines = ["| task | T | mode | prompts | tau | tokens/s | speedup vs AR | greedy = AR |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| task | T | mode | prompts | tau | tokens/s | speedup vs AR | greedy = AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for g in summary["by_task"]:
-        lines.append(f"| {g['task']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | {g['mean_tau']:.2f} | "
-                     f"{g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | {_fmt(g['matches_ar'], '.0%')} |")
+        lines.append(
+            f"| {g['task']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | {g['mean_tau']:.2f} | "
+            f"{g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | {_fmt(g['matches_ar'], '.0%')} |"
+        )
     if summary["by_bucket"]:
-        lines += ["", "| prefill bucket | T | mode | prompts | mean prompt tokens | tau | tokens/s |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| prefill bucket | T | mode | prompts | mean prompt tokens | tau | tokens/s |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for g in sorted(summary["by_bucket"], key=lambda g: (g["temperature"], g["mode"], g["mean_prompt_len"])):
-            lines.append(f"| {g['bucket']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | "
-                         f"{g['mean_prompt_len']:.0f} | {g['mean_tau']:.2f} | {g['tokens_per_s']:.1f} |")
+            lines.append(
+                f"| {g['bucket']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | "
+                f"{g['mean_prompt_len']:.0f} | {g['mean_tau']:.2f} | {g['tokens_per_s']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -239,10 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
     p.add_argument("--json-out", type=Path, help="write the full results here")
     p.add_argument("--runs-out", type=Path, help="append each run here (jsonl) as it finishes")
-    p.add_argument("--resume", action="store_true",
-                   help="skip the runs already in --runs-out (an interrupted benchmark) and report them with the new")
-    p.add_argument("--summarise", nargs="+", type=Path, metavar="RUNS_JSONL",
-                   help="build the tables from --runs-out files instead of running")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the runs already in --runs-out (an interrupted benchmark) and report them with the new",
+    )
+    p.add_argument(
+        "--summarise",
+        nargs="+",
+        type=Path,
+        metavar="RUNS_JSONL",
+        help="build the tables from --runs-out files instead of running",
+    )
     return p
 
 
@@ -261,9 +317,11 @@ def run(args: argparse.Namespace) -> dict:
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
     target, draft = load_models(args.target, args.draft, args.dtype, "longspec" in modes)
     if manifest.get("vocab_size") != target.config.vocab_size:
-        raise UserError(f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
-                        f"({manifest.get('tokenizer')}) but the target has {target.config.vocab_size}: rebuild them "
-                        "with `python -m infer.build_eval_sets --tokenizer TARGET`")
+        raise UserError(
+            f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
+            f"({manifest.get('tokenizer')}) but the target has {target.config.vocab_size}: rebuild them "
+            "with `python -m infer.build_eval_sets --tokenizer TARGET`"
+        )
     import jax
 
     from longspec_jax import attention
@@ -279,11 +337,21 @@ def run(args: argparse.Namespace) -> dict:
         runs_out = args.runs_out.open("a", encoding="utf-8")
     try:
         results = run_benchmark(
-            target, draft, items, modes=modes, temperatures=temperatures, max_new_tokens=args.max_new_tokens,
-            seed=args.seed, attn_impl=args.attn_impl, ar_attn_impl=ar_impl, tree_widths=tree_widths,
-            profile=args.profile, log=log,
+            target,
+            draft,
+            items,
+            modes=modes,
+            temperatures=temperatures,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            attn_impl=args.attn_impl,
+            ar_attn_impl=ar_impl,
+            tree_widths=tree_widths,
+            profile=args.profile,
+            log=log,
             on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()),
-            done=tuple(done))
+            done=tuple(done),
+        )
     finally:
         if runs_out is not None:
             runs_out.close()
@@ -291,12 +359,24 @@ def run(args: argparse.Namespace) -> dict:
     summary = summarise(results["runs"])
     device = jax.devices()[0]
     return {
-        "config": {"eval_dir": str(args.eval_dir), "target": args.target or "embedded SmolLM2-135M-Instruct",
-                   "draft": args.draft, "dtype": str(target.dtype), "modes": modes, "temperatures": temperatures,
-                   "tasks": tasks, "tree_widths": tree_widths, "max_new_tokens": args.max_new_tokens, "limit": args.limit, "seed": args.seed,
-                   "attn_impl": args.attn_impl or attention.default_impl(),
-                   "ar_attn_impl": ar_impl or args.attn_impl or attention.default_impl(), "backend": jax.default_backend(), "device": device.device_kind,
-                   "eval_manifest": manifest},
+        "config": {
+            "eval_dir": str(args.eval_dir),
+            "target": args.target or "embedded SmolLM2-135M-Instruct",
+            "draft": args.draft,
+            "dtype": str(target.dtype),
+            "modes": modes,
+            "temperatures": temperatures,
+            "tasks": tasks,
+            "tree_widths": tree_widths,
+            "max_new_tokens": args.max_new_tokens,
+            "limit": args.limit,
+            "seed": args.seed,
+            "attn_impl": args.attn_impl or attention.default_impl(),
+            "ar_attn_impl": ar_impl or args.attn_impl or attention.default_impl(),
+            "backend": jax.default_backend(),
+            "device": device.device_kind,
+            "eval_manifest": manifest,
+        },
         **results,
         "summary": summary,
         "markdown": markdown_tables(summary),
@@ -315,8 +395,12 @@ def summarise_files(paths: list[Path]) -> dict:
             raise UserError(f"{path} does not exist: pass files written by --runs-out")
         runs += _read_runs(path)
     summary = summarise(runs)
-    return {"config": {"runs_files": [str(p) for p in paths]}, "runs": runs, "summary": summary,
-            "markdown": markdown_tables(summary)}
+    return {
+        "config": {"runs_files": [str(p) for p in paths]},
+        "runs": runs,
+        "summary": summary,
+        "markdown": markdown_tables(summary),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,8 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from longspec_jax.errors import UserError
 from longspec_jax.tokenizer import encode_prompt
@@ -54,10 +54,12 @@ class EvalSpec:
 
 def _order_key(key: str, seed: int) -> bytes:
     """A fixed pseudo-random order of documents (so the sets are not all from one folder)."""
-    return hashlib.sha256(f"{seed}:{key}".encode("utf-8")).digest()
+    return hashlib.sha256(f"{seed}:{key}".encode()).digest()
 
 
-def longest_prefix(units: Sequence[str], joiner: str, prompt_ids: Callable[[str], list[int]], limit: int) -> tuple[int, list[int]]:
+def longest_prefix(
+    units: Sequence[str], joiner: str, prompt_ids: Callable[[str], list[int]], limit: int
+) -> tuple[int, list[int]]:
     """(k, ids): the largest k >= 1 with len(prompt_ids(joiner.join(units[:k]))) <= limit, by
     bisection (the token count grows with k); (0, []) when even one unit is too long."""
     lo, hi, best = 1, len(units), (0, [])
@@ -91,7 +93,7 @@ def code_prompt(tokenizer, doc, target: int, lo: int, hi: int) -> dict | None:
     lines = doc.text.splitlines(keepends=True)
     k, ids = longest_prefix(lines, "", lambda text: code_ids(tokenizer, text), target)
     prefix = "".join(lines[:k])
-    rest = doc.text[len(prefix):]
+    rest = doc.text[len(prefix) :]
     if not lo <= len(ids) <= hi or not rest.strip():
         return None
     return {"prompt_ids": ids, "text": prefix, "chat": False, "reference": rest[:REFERENCE_CHARS]}
@@ -107,8 +109,9 @@ def summary_prompt(tokenizer, doc, target: int, lo: int, hi: int) -> dict | None
     return {"prompt_ids": ids, "text": summary_text("\n\n".join(paragraphs[:k])), "chat": True}
 
 
-def _collect(docs, make, full_len, margin: int, lo: int, hi: int, count: int, spec: EvalSpec, task: str,
-             **extra) -> list[dict]:
+def _collect(
+    docs, make, full_len, margin: int, lo: int, hi: int, count: int, spec: EvalSpec, task: str, **extra
+) -> list[dict]:
     """`count` prompts from distinct documents, their target lengths spread evenly over [lo, hi]
     (item i aims at the middle of the i-th of `count` equal slices); each target takes the first
     document, in a fixed pseudo-random order, that is at least target + margin tokens long and
@@ -124,12 +127,22 @@ def _collect(docs, make, full_len, margin: int, lo: int, hi: int, count: int, sp
             item = make(doc, target, lo, hi)
             if item is not None:
                 used.add(doc.key)
-                items.append({"id": f"{task}{suffix}-{i:03d}", "task": task, "prompt_len": len(item["prompt_ids"]),
-                              "source_path": doc.key, **extra, **item})
+                items.append(
+                    {
+                        "id": f"{task}{suffix}-{i:03d}",
+                        "task": task,
+                        "prompt_len": len(item["prompt_ids"]),
+                        "source_path": doc.key,
+                        **extra,
+                        **item,
+                    }
+                )
                 break
         else:
-            raise UserError(f"no unused held-out document gives a {task} prompt of about {target} tokens "
-                            f"(range {lo}-{hi}, {len(items)} of {count} found): add sources or lower the count")
+            raise UserError(
+                f"no unused held-out document gives a {task} prompt of about {target} tokens "
+                f"(range {lo}-{hi}, {len(items)} of {count} found): add sources or lower the count"
+            )
     return items
 
 
@@ -143,6 +156,7 @@ def build_eval_sets(code_docs, summary_docs, tokenizer, spec: EvalSpec = EvalSpe
             if (kind, doc.key) not in lengths:
                 lengths[kind, doc.key] = len(ids_of(tokenizer, doc.text))
             return lengths[kind, doc.key]
+
         return length
 
     def code(doc, target, lo, hi):
@@ -153,17 +167,24 @@ def build_eval_sets(code_docs, summary_docs, tokenizer, spec: EvalSpec = EvalSpe
 
     code_len, summary_len = full_len("code", code_ids), full_len("doc", summary_ids)
     sets = {
-        CODE_TASK: _collect(code_docs, code, code_len, MIN_CONTINUATION_TOKENS, *spec.code_range, spec.per_task, spec, CODE_TASK),
-        SUMMARY_TASK: _collect(summary_docs, summary, summary_len, 0, *spec.summary_range, spec.per_task, spec, SUMMARY_TASK),
+        CODE_TASK: _collect(
+            code_docs, code, code_len, MIN_CONTINUATION_TOKENS, *spec.code_range, spec.per_task, spec, CODE_TASK
+        ),
+        SUMMARY_TASK: _collect(
+            summary_docs, summary, summary_len, 0, *spec.summary_range, spec.per_task, spec, SUMMARY_TASK
+        ),
         BUCKET_TASK: [],
     }
     for name, (lo, hi) in spec.buckets.items():
-        sets[BUCKET_TASK] += _collect(code_docs, code, code_len, MIN_CONTINUATION_TOKENS, lo, hi, spec.per_bucket, spec,
-                                      BUCKET_TASK, bucket=name)
+        sets[BUCKET_TASK] += _collect(
+            code_docs, code, code_len, MIN_CONTINUATION_TOKENS, lo, hi, spec.per_bucket, spec, BUCKET_TASK, bucket=name
+        )
     return sets
 
 
-def write_eval_sets(out: str | Path, sets: dict[str, list[dict]], tokenizer, spec: EvalSpec, tokenizer_name: str) -> dict:
+def write_eval_sets(
+    out: str | Path, sets: dict[str, list[dict]], tokenizer, spec: EvalSpec, tokenizer_name: str
+) -> dict:
     """One jsonl per task plus manifest.json; returns the manifest."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,9 +197,15 @@ def write_eval_sets(out: str | Path, sets: dict[str, list[dict]], tokenizer, spe
         "vocab_size": len(tokenizer),
         "summary_instruction": SUMMARY_INSTRUCTION,
         "spec": dataclasses.asdict(spec),
-        "tasks": {task: {"prompts": len(items), "min_len": min(i["prompt_len"] for i in items),
-                         "max_len": max(i["prompt_len"] for i in items),
-                         "tokens": sum(i["prompt_len"] for i in items)} for task, items in sets.items()},
+        "tasks": {
+            task: {
+                "prompts": len(items),
+                "min_len": min(i["prompt_len"] for i in items),
+                "max_len": max(i["prompt_len"] for i in items),
+                "tokens": sum(i["prompt_len"] for i in items),
+            }
+            for task, items in sets.items()
+        },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -189,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--stdlib-dir", type=Path, help="as for train.build_corpus (default: this Python's)")
     p.add_argument("--docs-dir", type=Path, help="as for train.build_corpus (default: Debian python3-doc)")
-    p.add_argument("--tokenizer", help="HF directory or .gguf whose tokenizer makes the ids (default: embedded SmolLM2)")
+    p.add_argument(
+        "--tokenizer", help="HF directory or .gguf whose tokenizer makes the ids (default: embedded SmolLM2)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:

@@ -29,10 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
     p.add_argument("--target", help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft checkpoint (default: the one shipped for the target, if any)")
-    p.add_argument("--mode", choices=(*MODES, AUTO_MODE), default=DEFAULT_MODE,
-                   help=f"decoding mode (default {DEFAULT_MODE}: longspec when a draft is given or shipped for the "
-                        "target, as for the embedded SmolLM2; else ar)")
-    p.add_argument("--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)")
+    p.add_argument(
+        "--mode",
+        choices=(*MODES, AUTO_MODE),
+        default=DEFAULT_MODE,
+        help=f"decoding mode (default {DEFAULT_MODE}: longspec when a draft is given or shipped for the "
+        "target, as for the embedded SmolLM2; else ar)",
+    )
+    p.add_argument(
+        "--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,14 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object {tokens, text, stats}")
     p.add_argument("--profile", action="store_true", help="also print per-step timings")
     p.add_argument("--attn-impl", choices=IMPLS, help="attention implementation (default: the fastest for the backend)")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="weights dtype (auto: bfloat16 on GPU, float32 on CPU)",
+    )
     return p
 
 
 def read_prompt(path: Path) -> str:
     if not path.is_file():
-        raise UserError(f"prompt file {path} does not exist or is not a file: pass an existing text file to --prompt-file")
+        raise UserError(
+            f"prompt file {path} does not exist or is not a file: pass an existing text file to --prompt-file"
+        )
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -100,7 +112,7 @@ class TerminalOutput:
             text = decode(self.tokenizer, tokens)
             # Detokenisation can revise the last characters; print only the stable extension.
             if text.startswith(self.printed):
-                sys.stdout.write(text[len(self.printed):])
+                sys.stdout.write(text[len(self.printed) :])
                 sys.stdout.flush()
                 self.printed = text
 
@@ -108,7 +120,7 @@ class TerminalOutput:
         if self.bar is not None:
             self.bar.close()
         if self.stream_text:
-            sys.stdout.write(text[len(self.printed):] if text.startswith(self.printed) else "\n" + text)
+            sys.stdout.write(text[len(self.printed) :] if text.startswith(self.printed) else "\n" + text)
             sys.stdout.write("\n")
         else:
             print(text)
@@ -135,12 +147,17 @@ def run(args: argparse.Namespace) -> int:
     if tree_widths and generator.mode == "ar":
         raise UserError("--tree-widths needs a draft (or --mode pld): this target has no shipped draft, pass --draft")
     if tty_err:
-        print(f"mode {generator.mode}" + (" with the shipped draft" if generator.mode == "longspec" and draft is None else ""),
-              file=sys.stderr)
+        print(
+            f"mode {generator.mode}"
+            + (" with the shipped draft" if generator.mode == "longspec" and draft is None else ""),
+            file=sys.stderr,
+        )
 
     stream_text = not args.json and sys.stdout.isatty()
     # Streamed text already shows progress; a bar on the same terminal would garble it.
-    out = TerminalOutput(target.tokenizer, args.max_new_tokens, stream_text=stream_text, show_progress=tty_err and not stream_text)
+    out = TerminalOutput(
+        target.tokenizer, args.max_new_tokens, stream_text=stream_text, show_progress=tty_err and not stream_text
+    )
     if tty_err:
         print(f"prefill {len(prompt_ids)} tokens (the first run of a length bucket also compiles) ...", file=sys.stderr)
     result = generator.generate(

@@ -28,7 +28,9 @@ def plot_series(report: dict, temperature: float) -> dict:
             speed.setdefault(g["task"], {})[g["mode"]] = g["tokens_per_s"]
     if not speed:
         found = sorted({g["temperature"] for g in summary["by_task"]})
-        raise UserError(f"the results hold no runs at temperature {temperature:g} (they have {found}): pass --temperature")
+        raise UserError(
+            f"the results hold no runs at temperature {temperature:g} (they have {found}): pass --temperature"
+        )
     tau: dict[str, list] = {}
     for g in sorted(summary["by_bucket"], key=lambda g: g["mean_prompt_len"]):
         if g["temperature"] == temperature:

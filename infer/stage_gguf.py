@@ -39,7 +39,7 @@ def split() -> None:
     LOCAL_DIR.mkdir(exist_ok=True)
     part_size = -(-len(data) // PARTS)
     for i in range(PARTS):
-        (LOCAL_DIR / f"part{i + 1}").write_bytes(data[i * part_size:(i + 1) * part_size])
+        (LOCAL_DIR / f"part{i + 1}").write_bytes(data[i * part_size : (i + 1) * part_size])
     (LOCAL_DIR / "sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {source.name}\n")
     print(f"{PARTS} parts of {part_size / 2**20:.1f} MiB in {LOCAL_DIR}/ from {source}")
 
@@ -77,8 +77,9 @@ def join() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infer.stage_gguf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m infer.stage_gguf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("split", help=f"cut the installed GGUF into .stage/part1..{PARTS} and write .stage/sha256")
     put = sub.add_parser("put-part", help="copy .stage/partN to /root/stage/ (on the GPU machine)")

@@ -21,7 +21,7 @@ Outputs (D = tree depth, static):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -28,8 +28,15 @@ from longspec_jax.errors import UserError
 from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels.tree_attention import masked_attention
 
-__all__ = ["cache_attention", "default_impl", "hybrid_tree_attention", "masked_attention",
-           "masked_softmax_attention", "merge_attention", "prefill_attention"]
+__all__ = [
+    "cache_attention",
+    "default_impl",
+    "hybrid_tree_attention",
+    "masked_attention",
+    "masked_softmax_attention",
+    "merge_attention",
+    "prefill_attention",
+]
 
 IMPLS = ("xla", "cudnn", "pallas")
 
@@ -104,8 +111,16 @@ def _prefill_cudnn(q, k, v, lengths, scale):
         return _prefill_xla(q, k, v, lengths, scale)
     lengths = lengths.astype(jnp.int32)
     # is_causal is top-left aligned, which is right here: queries and keys are the same positions.
-    o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
-                                     key_value_seq_lengths=lengths, implementation="cudnn")
+    o = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation="cudnn",
+    )
     # Padding rows (and every row of an empty sequence) come back as 0, never as cuDNN's leftovers.
     valid = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
     return jnp.where(valid[:, :, None, None], o, 0).astype(q.dtype)
@@ -130,8 +145,9 @@ def _cache_mask(cache_len, num_queries: int, capacity: int):
 
 
 def _cache_xla(q, k_cache, v_cache, cache_len, scale):
-    return masked_softmax_attention(q, k_cache, v_cache, _cache_mask(cache_len, q.shape[1], k_cache.shape[1]),
-                                    scale=scale)
+    return masked_softmax_attention(
+        q, k_cache, v_cache, _cache_mask(cache_len, q.shape[1], k_cache.shape[1]), scale=scale
+    )
 
 
 def _cache_cudnn(q, k_cache, v_cache, cache_len, scale):
@@ -146,10 +162,16 @@ def _cache_cudnn(q, k_cache, v_cache, cache_len, scale):
             from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
             o, lse = cudnn_fa.dot_product_attention(
-                query=q, key=k_cache, value=v_cache,
-                q_seqlen=jnp.full((b,), t, jnp.int32), kv_seqlen=cache_len,
+                query=q,
+                key=k_cache,
+                value=v_cache,
+                q_seqlen=jnp.full((b,), t, jnp.int32),
+                kv_seqlen=cache_len,
                 scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                mask_type=cudnn_fa.MaskType.PADDING, qkv_layout="BTNH", return_residual=True)
+                mask_type=cudnn_fa.MaskType.PADDING,
+                qkv_layout="BTNH",
+                return_residual=True,
+            )
         except (ImportError, AttributeError, TypeError, ValueError, NotImplementedError, RuntimeError) as err:
             reason = f"{type(err).__name__}: {err}"
         else:
@@ -193,8 +215,9 @@ def _hybrid_xla(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, scale):
     """Dense XLA attention over the cache and over the new keys, merged by LSE. Concatenating the
     keys instead would copy the whole cache every step (1.6x slower per layer on CPU at 8k rows)."""
     o_c, lse_c = _cache_xla(q, k_cache, v_cache, cache_len, scale)
-    o_s, lse_s = masked_softmax_attention(q, k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask,
-                                          scale=scale)
+    o_s, lse_s = masked_softmax_attention(
+        q, k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask, scale=scale
+    )
     return merge_attention(o_c, lse_c, o_s, lse_s)
 
 

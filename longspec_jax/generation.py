@@ -27,7 +27,8 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +132,7 @@ class StopRule:
     max_new_tokens: jax.Array
 
     @classmethod
-    def create(cls, eos_token_ids: Sequence[int], max_new_tokens: int) -> "StopRule":
+    def create(cls, eos_token_ids: Sequence[int], max_new_tokens: int) -> StopRule:
         ids = list(eos_token_ids) or [PAD_TOKEN]  # PAD_TOKEN never matches a real token
         return cls(jnp.asarray(ids, jnp.int32), jnp.asarray(max_new_tokens, jnp.int32))
 
@@ -190,7 +191,9 @@ def normalize_prompts(prompt, tokenizer=None, *, chat: bool = False) -> list[lis
     if all(isinstance(t, int | np.integer) for t in prompt):
         prompt = [prompt]
     if tokenizer is None and any(isinstance(p, str) for p in prompt):
-        raise UserError("this target has no tokenizer: pass token ids instead of text, or load a checkpoint with a tokenizer")
+        raise UserError(
+            "this target has no tokenizer: pass token ids instead of text, or load a checkpoint with a tokenizer"
+        )
     prompts = []
     for p in prompt:
         ids = encode_prompt(tokenizer, p, chat=chat) if isinstance(p, str) else [int(t) for t in p]
@@ -207,7 +210,9 @@ def check_prompts(prompts: list[list[int]], config, max_new_tokens: int) -> None
     for ids in prompts:
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
         if bad:
-            raise UserError(f"token id {bad[0]} is outside the target's vocabulary [0, {config.vocab_size}): check the tokenizer")
+            raise UserError(
+                f"token id {bad[0]} is outside the target's vocabulary [0, {config.vocab_size}): check the tokenizer"
+            )
     longest = max(len(p) for p in prompts)
     window = config.max_position_embeddings
     if longest + max_new_tokens > window:
@@ -417,11 +422,19 @@ class Generator:
         stop = StopRule.create(request.eos_token_ids, request.max_new_tokens)
         key = jax.random.key(request.seed)
         start, c1 = compiled(ar_start, last_logits, request.sampling, key, stop, new_bucket=new_bucket)
-        state_shape = jax.eval_shape(functools.partial(ar_start, new_bucket=new_bucket), last_logits, request.sampling, key, stop)
+        state_shape = jax.eval_shape(
+            functools.partial(ar_start, new_bucket=new_bucket), last_logits, request.sampling, key, stop
+        )
         stop_at = jnp.asarray(new_bucket, jnp.int32)
         run_loop, c2 = compiled(
-            ar_decode, self.params, cache, state_shape, stop_at, request.sampling,
-            graphdef=self.graphdef, attn_impl=self.attn_impl,
+            ar_decode,
+            self.params,
+            cache,
+            state_shape,
+            stop_at,
+            request.sampling,
+            graphdef=self.graphdef,
+            attn_impl=self.attn_impl,
         )
         compile_s += c1 + c2
 
@@ -447,25 +460,51 @@ class Generator:
         return GenerationResult(
             tokens=tokens,
             stats=make_stats(
-                prefill_s=prefill_s, decode_s=decode_s, tokens=tokens, rounds=rounds, tau=1.0,
-                target_cache_bytes=target_cache_bytes, draft_cache_bytes=0,
-                prompt_tokens=int(batch.lengths.sum()), compile_s=compile_s, profile=profile,
+                prefill_s=prefill_s,
+                decode_s=decode_s,
+                tokens=tokens,
+                rounds=rounds,
+                tau=1.0,
+                target_cache_bytes=target_cache_bytes,
+                draft_cache_bytes=0,
+                prompt_tokens=int(batch.lengths.sum()),
+                compile_s=compile_s,
+                profile=profile,
             ),
         )
 
-    def _profile_ar_step(self, cache, state, sampling, decode_s: float, rounds: int, repeats: int = 5) -> dict[str, float]:
+    def _profile_ar_step(
+        self, cache, state, sampling, decode_s: float, rounds: int, repeats: int = 5
+    ) -> dict[str, float]:
         """A step inside the loop vs the same step as its own program (GPU.md: they should match).
         Runs on the finished state (consumes the cache): every sequence is done, so lengths stay put
         while the step still computes the full batch."""
-        step, _ = compiled(ar_single_step, self.params, cache, state, sampling, graphdef=self.graphdef, attn_impl=self.attn_impl)
+        step, _ = compiled(
+            ar_single_step, self.params, cache, state, sampling, graphdef=self.graphdef, attn_impl=self.attn_impl
+        )
         seconds = []
         for _ in range(repeats + 1):  # the first run warms up
             (cache, state), s = timed(step, self.params, cache, state, sampling)
             seconds.append(s)
-        return {"step_in_loop_ms": 1e3 * decode_s / max(rounds, 1), "step_alone_ms": 1e3 * statistics.median(seconds[1:])}
+        return {
+            "step_in_loop_ms": 1e3 * decode_s / max(rounds, 1),
+            "step_alone_ms": 1e3 * statistics.median(seconds[1:]),
+        }
 
 
-def make_stats(*, prefill_s, decode_s, tokens, rounds, tau, target_cache_bytes, draft_cache_bytes, prompt_tokens, compile_s=0.0, profile=None) -> GenerationStats:
+def make_stats(
+    *,
+    prefill_s,
+    decode_s,
+    tokens,
+    rounds,
+    tau,
+    target_cache_bytes,
+    draft_cache_bytes,
+    prompt_tokens,
+    compile_s=0.0,
+    profile=None,
+) -> GenerationStats:
     """GenerationStats with new_tokens / tokens_per_s derived from the returned tokens."""
     new_tokens = sum(len(t) for t in tokens)
     return GenerationStats(

@@ -35,8 +35,9 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -90,8 +91,14 @@ def file_sha256(path: Path) -> str:
     return _digests[key]
 
 
-def _cached(path: Path, kind: str, fingerprint: str, convert: Callable[[], T],
-            save: Callable[[T, Path], None], load: Callable[[Path], T]) -> T:
+def _cached(
+    path: Path,
+    kind: str,
+    fingerprint: str,
+    convert: Callable[[], T],
+    save: Callable[[T, Path], None],
+    load: Callable[[Path], T],
+) -> T:
     entry = cache_root() / kind / file_sha256(path)
     _remove_abandoned_temporaries(entry.parent)
     problem = _entry_problem(entry, fingerprint)

@@ -170,7 +170,8 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None
+            if config.tie_word_embeddings
             else nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dtype))
         )
 
@@ -211,8 +212,10 @@ class Transformer(nnx.Module):
         lengths == lengths). Rows [lengths[b], L) hold padding K/V that later writes overwrite."""
         b, l = tokens.shape
         if l > cache.max_len:
-            raise UserError(f"a prompt of {l} tokens does not fit a KV cache of {cache.max_len} rows: "
-                            "shorten the prompt or allocate a longer cache")
+            raise UserError(
+                f"a prompt of {l} tokens does not fit a KV cache of {cache.max_len} rows: "
+                "shorten the prompt or allocate a longer cache"
+            )
         positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         lengths = lengths.astype(jnp.int32)
         new_k, new_v = list(cache.k), list(cache.v)

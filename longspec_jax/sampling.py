@@ -44,7 +44,7 @@ class SamplingParams:
     use_top_p: bool = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
+    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
         """Validated settings; temperature 0 = greedy, top_k 0 = off, top_p 1 = off."""
         temperature, top_p = float(temperature), float(top_p)
         if not math.isfinite(temperature) or temperature < 0:

@@ -129,7 +129,9 @@ class SpecState:
 
 def _write_rows(buffer: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:
     """buffer [B, S] with values [B, T] written at columns [start[b], start[b] + T)."""
-    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v.astype(row.dtype), (s,)))(buffer, values, start)
+    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v.astype(row.dtype), (s,)))(
+        buffer, values, start
+    )
 
 
 # ----------------------------------------------------------------------------- one round
@@ -250,7 +252,21 @@ def _round(drafter, draft_params, model, state: SpecState, sampling, config: Loo
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "config"), donate_argnames=("cache",))
-def spec_start(params, draft_params, cache, prompt_tokens, prompt_lengths, last_logits, sampling, key, stop, *, graphdef, drafter, config: LoopConfig) -> SpecState:
+def spec_start(
+    params,
+    draft_params,
+    cache,
+    prompt_tokens,
+    prompt_lengths,
+    last_logits,
+    sampling,
+    key,
+    stop,
+    *,
+    graphdef,
+    drafter,
+    config: LoopConfig,
+) -> SpecState:
     """The loop's initial state: the first token picked from the prefill logits float32[B, V]
     (as AR does), the history buffer, and the draft's state filled from the prompts."""
     model = nnx.merge(graphdef, params)
@@ -263,7 +279,9 @@ def spec_start(params, draft_params, cache, prompt_tokens, prompt_lengths, last_
     if drafter is None:
         draft_state = ()
     else:
-        draft_state = drafter.prefill(draft_params, model, drafter.init_state(draft_params, b), prompt_tokens, prompt_lengths)
+        draft_state = drafter.prefill(
+            draft_params, model, drafter.init_state(draft_params, b), prompt_tokens, prompt_lengths
+        )
     zero = jnp.zeros((), jnp.int32)
     return SpecState(
         cache=cache,
@@ -282,7 +300,9 @@ def spec_start(params, draft_params, cache, prompt_tokens, prompt_lengths, last_
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "drafter", "config"), donate_argnames=("state",))
-def spec_decode(params, draft_params, state: SpecState, stop_at, sampling, *, graphdef, drafter, config: LoopConfig) -> SpecState:
+def spec_decode(
+    params, draft_params, state: SpecState, stop_at, sampling, *, graphdef, drafter, config: LoopConfig
+) -> SpecState:
     """Rounds until every sequence is done or `rounds` reaches stop_at (int32[]; streaming raises it)."""
 
     def body(s):
@@ -354,7 +374,9 @@ def _repeat_accept(state, tree, logits, sampling, n, *, config):
     return jax.lax.fori_loop(0, n, body, state)
 
 
-def profile_round_parts(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, n: int = 1):
+def profile_round_parts(
+    graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, n: int = 1
+):
     """A round as its three programs, each part repeated n times -> ((draft, verify, accept)
     seconds, the next state). With n = 1 the result is the state `spec_decode` reaches after one
     round from `state`. Consumes `state` (its buffers are donated)."""
@@ -362,19 +384,29 @@ def profile_round_parts(graphdef, params, drafter, draft_params, state: SpecStat
     rest = state.replace(draft_state=None)
     (tree, draft_state), draft_s = timed(
         functools.partial(_repeat_propose, graphdef=graphdef, drafter=drafter, config=config),
-        params, draft_params, rest, state.draft_state, reps,
+        params,
+        draft_params,
+        rest,
+        state.draft_state,
+        reps,
     )
     (logits, cache), verify_s = timed(
         functools.partial(_repeat_verify, graphdef=graphdef, config=config), params, tree, rest.cache, reps
     )
     state, accept_s = timed(
         functools.partial(_repeat_accept, config=config),
-        rest.replace(cache=cache, draft_state=draft_state), tree, logits, sampling, reps,
+        rest.replace(cache=cache, draft_state=draft_state),
+        tree,
+        logits,
+        sampling,
+        reps,
     )
     return (draft_s, verify_s, accept_s), state
 
 
-def profile_round(graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 16) -> tuple[dict[str, float], SpecState]:
+def profile_round(
+    graphdef, params, drafter, draft_params, state: SpecState, sampling, config: LoopConfig, repeats: int = 16
+) -> tuple[dict[str, float], SpecState]:
     """Milliseconds per repetition of a round's draft / verify / accept parts, each repeated
     `repeats` times inside its own program after a one-repetition warm-up (which compiles), and
     their sum. Includes 1/repeats of a launch and host sync per part. -> (times, the state after
@@ -426,7 +458,9 @@ def run(generator, prompts: list[list[int]], request) -> GenerationResult:
     widths = resolve_widths(generator.mode, generator.tree_widths, target.config.vocab_size)
     if generator.mode == "longspec":
         if generator.draft is None:
-            raise UserError("mode 'longspec' needs a draft: pass draft=load_draft(path, target) (CLI: --draft PATH), or use mode 'pld' / 'ar'")
+            raise UserError(
+                "mode 'longspec' needs a draft: pass draft=load_draft(path, target) (CLI: --draft PATH), or use mode 'pld' / 'ar'"
+            )
         check_draft(generator.draft, target.config)
         drafter, draft_params = drafter_for(generator.draft, widths)
     else:
@@ -450,7 +484,9 @@ def run_with_drafter(generator, prompts, request, widths, drafter, draft_params)
     start, c1 = compiled(spec_start, *start_args, **statics)
     state_shape = jax.eval_shape(functools.partial(spec_start, **statics), *start_args)
     no_limit = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
-    decode, c2 = compiled(spec_decode, generator.params, draft_params, state_shape, no_limit, request.sampling, **statics)
+    decode, c2 = compiled(
+        spec_decode, generator.params, draft_params, state_shape, no_limit, request.sampling, **statics
+    )
     compile_s += c1 + c2
 
     t0 = time.perf_counter()
@@ -473,7 +509,9 @@ def run_with_drafter(generator, prompts, request, widths, drafter, draft_params)
     rounds, emitted, active = (int(x) for x in jax.device_get((state.rounds, state.emitted, state.active_rounds)))
     profile = {}
     if request.profile:
-        profile, state = profile_round(generator.graphdef, generator.params, drafter, draft_params, state, request.sampling, config)
+        profile, state = profile_round(
+            generator.graphdef, generator.params, drafter, draft_params, state, request.sampling, config
+        )
         profile["round_in_loop_ms"] = 1e3 * decode_s / max(rounds, 1)
     return GenerationResult(
         tokens=out_tokens,

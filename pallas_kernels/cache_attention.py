@@ -29,8 +29,7 @@ from pallas_kernels import flash_block as fb
 TARGET_PROGRAMS = 528
 
 
-def _split_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_rows, block_keys,
-                  num_rows, num_splits):
+def _split_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_rows, block_keys, num_rows, num_splits):
     """One row block of one (batch, KV head) against one slice of that sequence's cache."""
     row0 = pl.program_id(2) * block_rows
     row_ok = row0 + jnp.arange(block_rows) < num_rows
@@ -74,10 +73,12 @@ def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) 
     return max(1, min(want, capacity // (4 * block_keys)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys",
-                                             "num_splits", "num_warps", "num_stages"))
-def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, interpret, block_rows, block_keys,
-                     num_splits, num_warps, num_stages):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys", "num_splits", "num_warps", "num_stages")
+)
+def _cache_attention(
+    q, k_cache, v_cache, cache_len, *, scale, interpret, block_rows, block_keys, num_splits, num_warps, num_stages
+):
     b, t, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     rows = t * (hq // hkv)
@@ -85,8 +86,9 @@ def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, interpret, block_
     row_blocks = pl.cdiv(rows, block_rows)
     if num_splits is None:
         num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys)
-    kernel = functools.partial(_split_kernel, scale=scale, block_rows=block_rows,
-                               block_keys=block_keys, num_rows=rows, num_splits=num_splits)
+    kernel = functools.partial(
+        _split_kernel, scale=scale, block_rows=block_rows, block_keys=block_keys, num_rows=rows, num_splits=num_splits
+    )
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits),
@@ -112,8 +114,20 @@ def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, interpret, block_
     return fb.ungroup_output(o_rows.astype(q.dtype), t), fb.ungroup_lse(lse_rows, t)
 
 
-def cache_attention(q, k_cache, v_cache, cache_len, *, scale=None, interpret=None, block_rows=128,
-                    block_keys=64, num_splits=None, num_warps=8, num_stages=3):
+def cache_attention(
+    q,
+    k_cache,
+    v_cache,
+    cache_len,
+    *,
+    scale=None,
+    interpret=None,
+    block_rows=128,
+    block_keys=64,
+    num_splits=None,
+    num_warps=8,
+    num_stages=3,
+):
     """q [B,T,Hq,D] against cache keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D], no mask.
 
     Returns (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T], natural log of the scaled scores).
@@ -124,6 +138,16 @@ def cache_attention(q, k_cache, v_cache, cache_len, *, scale=None, interpret=Non
         raise UserError(f"cache_attention: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     interpret = fb.default_interpret() if interpret is None else interpret
-    return _cache_attention(q, k_cache, v_cache, cache_len, scale=scale, interpret=interpret,
-                            block_rows=block_rows, block_keys=block_keys, num_splits=num_splits,
-                            num_warps=num_warps, num_stages=num_stages)
+    return _cache_attention(
+        q,
+        k_cache,
+        v_cache,
+        cache_len,
+        scale=scale,
+        interpret=interpret,
+        block_rows=block_rows,
+        block_keys=block_keys,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -22,8 +22,7 @@ from longspec_jax.errors import UserError
 from pallas_kernels import flash_block as fb
 
 
-def _masked_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, block_rows, block_keys,
-                   num_rows, num_keys):
+def _masked_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, block_rows, block_keys, num_rows, num_keys):
     """One block of query rows of one (batch, KV head) against all N keys."""
     row0 = pl.program_id(2) * block_rows
     row_ok = row0 + jnp.arange(block_rows) < num_rows
@@ -34,8 +33,11 @@ def _masked_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, bloc
         key_ok = key0 + jnp.arange(block_keys) < num_keys
         k = fb.load_rows(k_ref, key0, block_keys, key_ok)
         v = fb.load_rows(v_ref, key0, block_keys, key_ok)
-        allowed = plgpu.load(mask_ref.at[pl.ds(row0, block_rows), pl.ds(key0, block_keys)],
-                             mask=row_ok[:, None] & key_ok[None, :], other=0)
+        allowed = plgpu.load(
+            mask_ref.at[pl.ds(row0, block_rows), pl.ds(key0, block_keys)],
+            mask=row_ok[:, None] & key_ok[None, :],
+            other=0,
+        )
         return fb.online_softmax_step(state, q, k, v, allowed != 0, scale)
 
     num_tiles = pl.cdiv(num_keys, block_keys)
@@ -45,10 +47,10 @@ def _masked_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, bloc
     plgpu.store(lse_ref.at[pl.ds(row0, block_rows)], lse, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys",
-                                             "num_warps", "num_stages"))
-def _masked_attention(q, k, v, mask, *, scale, interpret, block_rows, block_keys, num_warps,
-                      num_stages):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys", "num_warps", "num_stages")
+)
+def _masked_attention(q, k, v, mask, *, scale, interpret, block_rows, block_keys, num_warps, num_stages):
     b, t, hq, d = q.shape
     n, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -59,8 +61,9 @@ def _masked_attention(q, k, v, mask, *, scale, interpret, block_rows, block_keys
     # Row t * G + g of the expanded mask is query t's row, as in q_rows; int8 because Triton has no
     # byte-addressable bool pointers.
     mask_rows = jnp.repeat(mask.astype(jnp.int8), g, axis=1)
-    kernel = functools.partial(_masked_kernel, scale=scale, block_rows=block_rows,
-                               block_keys=block_keys, num_rows=rows, num_keys=n)
+    kernel = functools.partial(
+        _masked_kernel, scale=scale, block_rows=block_rows, block_keys=block_keys, num_rows=rows, num_keys=n
+    )
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(b, hkv, pl.cdiv(rows, block_rows)),
@@ -85,8 +88,9 @@ def _masked_attention(q, k, v, mask, *, scale, interpret, block_rows, block_keys
     return fb.ungroup_output(o_rows, t), fb.ungroup_lse(lse_rows, t)
 
 
-def masked_attention(q, k, v, mask, *, scale=None, interpret=None, block_rows=64, block_keys=64,
-                     num_warps=4, num_stages=2):
+def masked_attention(
+    q, k, v, mask, *, scale=None, interpret=None, block_rows=64, block_keys=64, num_warps=4, num_stages=2
+):
     """Attention of q [B,T,Hq,D] over k, v [B,N,Hkv,D] where mask bool[B,T,N] is True.
 
     Returns (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T] = natural log of sum exp(scaled scores)).
@@ -95,9 +99,20 @@ def masked_attention(q, k, v, mask, *, scale=None, interpret=None, block_rows=64
     """
     fb.check_grouped_shapes(q, k, v, "masked_attention")
     if mask.shape != (q.shape[0], q.shape[1], k.shape[1]):
-        raise UserError(f"masked_attention: mask must be [B,T,N] = {(q.shape[0], q.shape[1], k.shape[1])}, "
-                        f"got {mask.shape}")
+        raise UserError(
+            f"masked_attention: mask must be [B,T,N] = {(q.shape[0], q.shape[1], k.shape[1])}, got {mask.shape}"
+        )
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     interpret = fb.default_interpret() if interpret is None else interpret
-    return _masked_attention(q, k, v, mask, scale=scale, interpret=interpret, block_rows=block_rows,
-                             block_keys=block_keys, num_warps=num_warps, num_stages=num_stages)
+    return _masked_attention(
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        interpret=interpret,
+        block_rows=block_rows,
+        block_keys=block_keys,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -19,7 +19,9 @@ def random_log_probs(rng, shape):
 
 def random_tree(rng, batch, widths, vocab):
     """A beam tree built from random draft log-probs; also returns those log-probs per level."""
-    level_lps = [random_log_probs(rng, (batch, vocab))] + [random_log_probs(rng, (batch, w, vocab)) for w in widths[:-1]]
+    level_lps = [random_log_probs(rng, (batch, vocab))] + [
+        random_log_probs(rng, (batch, w, vocab)) for w in widths[:-1]
+    ]
     tree = init_tree(jnp.zeros((batch,), jnp.int32), jnp.asarray(level_lps[0], jnp.float32), widths)
     for depth in range(1, len(widths)):
         tree = expand_level(tree, depth, jnp.asarray(level_lps[depth], jnp.float32))
@@ -135,7 +137,9 @@ def sampling_setup(temperature, top_p, seed=3):
 def first_two_tokens(emitted, n_emitted, p_after1, key):
     """Second token: from this round when it emitted >= 2, else what the next round's root sample gives."""
     next_round = jax.random.categorical(key, jnp.log(jnp.asarray(p_after1, jnp.float32))[emitted[:, 0]])
-    return np.asarray(emitted[:, 0]), np.where(np.asarray(n_emitted) >= 2, np.asarray(emitted[:, 1]), np.asarray(next_round))
+    return np.asarray(emitted[:, 0]), np.where(
+        np.asarray(n_emitted) >= 2, np.asarray(emitted[:, 1]), np.asarray(next_round)
+    )
 
 
 def chi_square_p(first, second, p_root, p_after1):

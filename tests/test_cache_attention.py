@@ -52,8 +52,9 @@ CASES = [
 def test_pallas_cache_attention_matches_float64_reference(b, t, hq, hkv, s, d, lengths, num_splits):
     rng = np.random.default_rng([b, t, hq, hkv, s, d])
     q, k, v, lengths = random_cache_case(rng, b, t, hq, hkv, s, d, lengths)
-    o, lse = pallas_cache_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                                    num_splits=num_splits)
+    o, lse = pallas_cache_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), num_splits=num_splits
+    )
     assert_cache_result(o, lse, q, k, v, lengths)
 
 
@@ -61,8 +62,9 @@ def test_pallas_cache_attention_small_tiles_many_splits():
     """16-row / 16-key tiles: several row blocks and several tiles per split."""
     rng = np.random.default_rng(3)
     q, k, v, lengths = random_cache_case(rng, 2, 9, 4, 2, 150, 64, [150, 40])
-    o, lse = pallas_cache_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                                    block_rows=16, block_keys=16, num_splits=3)
+    o, lse = pallas_cache_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), block_rows=16, block_keys=16, num_splits=3
+    )
     assert_cache_result(o, lse, q, k, v, lengths)
 
 
@@ -72,8 +74,9 @@ def test_cache_attention_dispatch(impl):
     rng = np.random.default_rng(5)
     q, k, v, lengths = random_cache_case(rng, 2, 3, 4, 2, 50, 64, [0, 33])
     with pytest.warns(UserWarning, match="cuDNN") if impl == "cudnn" else contextlib.nullcontext():
-        o, lse = attention.cache_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                           jnp.asarray(lengths), impl=impl)
+        o, lse = attention.cache_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), impl=impl
+        )
     assert_cache_result(o, lse, q, k, v, lengths)
 
 

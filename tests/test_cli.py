@@ -24,7 +24,9 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        directory
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +53,20 @@ def test_json_output_matches_the_library(checkpoint, prompt_file, capsys):
     target = load_target(checkpoint, dtype="float32")
     expected = Generator(target).generate(prompt_file.read_text(), max_new_tokens=6)
     assert record["tokens"] == expected.tokens[0] and 1 <= len(record["tokens"]) <= 6
-    assert record["text"] == target.tokenizer.decode(record["tokens"], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert record["text"] == target.tokenizer.decode(
+        record["tokens"], skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
     assert record["stats"]["new_tokens"] == len(record["tokens"])
-    assert {"prefill_s", "decode_s", "tokens_per_s", "tau", "rounds", "draft_cache_bytes", "target_cache_bytes"} <= set(record["stats"])
+    assert {"prefill_s", "decode_s", "tokens_per_s", "tau", "rounds", "draft_cache_bytes", "target_cache_bytes"} <= set(
+        record["stats"]
+    )
 
 
 def test_plain_output_prints_text_then_stats(checkpoint, prompt_file, capsys):
-    assert main(["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "4", "--profile"]) == 0
+    assert (
+        main(["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "4", "--profile"])
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.strip().startswith("w") or captured.out.strip() == ""
     assert "tok/s" in captured.err and "step_alone_ms" in captured.err
@@ -96,7 +105,10 @@ def test_user_errors_exit_2_with_one_line(args, message, checkpoint, tmp_path, c
 def test_process_exits_2_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "infer.generate", "--prompt-file", str(tmp_path / "missing.txt")],
-        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr

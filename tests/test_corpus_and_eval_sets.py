@@ -68,8 +68,10 @@ def test_corpus_split_is_deterministic_disjoint_and_licensed(tmp_path):
     docs.mkdir()
     for i in range(6):
         (docs / f"page{i}.rst.txt").write_text(fake_doc(i, 4))
-    sources = [Source("fake-code", stdlib, "**/*.py", "PSF-2.0", "code", 40, ("site-packages",)),
-               Source("fake-docs", docs, "**/*.rst.txt", "PSF-2.0 (docs)", "doc", 40)]
+    sources = [
+        Source("fake-code", stdlib, "**/*.py", "PSF-2.0", "code", 40, ("site-packages",)),
+        Source("fake-docs", docs, "**/*.rst.txt", "PSF-2.0 (docs)", "doc", 40),
+    ]
 
     manifest = build_corpus(tmp_path / "a", sources, shard_mb=0.001)
     build_corpus(tmp_path / "b", sources, shard_mb=0.001)
@@ -92,7 +94,8 @@ def test_corpus_split_is_deterministic_disjoint_and_licensed(tmp_path):
     eval_texts = {r["text"] for r in held_out}
     assert not any(r["text"] in eval_texts for r in train)
     all_files = {f"fake-code/{p.relative_to(stdlib).as_posix()}" for p in stdlib.rglob("*.py")} | {
-        f"fake-docs/{p.name}" for p in docs.iterdir()}
+        f"fake-docs/{p.name}" for p in docs.iterdir()
+    }
     missing = all_files - train_keys - eval_keys - {"fake-code/site-packages/third_party.py", "fake-code/latin1.py"}
     assert missing <= {"fake-code/copy_of_mod00.py", "fake-code/mod00.py"}
     assert manifest["train"]["documents"] == len(train) and manifest["eval"]["documents"] == len(held_out)
@@ -128,8 +131,9 @@ def fake_documents(kind: str, count: int, size: int) -> list[Document]:
     return [Document("fake", "PSF-2.0", kind, f"{kind}{i}", make(i, size)) for i in range(count)]
 
 
-SMALL_SPEC = EvalSpec(code_range=(150, 400), summary_range=(150, 400), buckets={"s": (60, 120), "l": (200, 300)},
-                      per_task=3, per_bucket=2)
+SMALL_SPEC = EvalSpec(
+    code_range=(150, 400), summary_range=(150, 400), buckets={"s": (60, 120), "l": (200, 300)}, per_task=3, per_bucket=2
+)
 
 
 def test_eval_sets_respect_bounds_lines_and_chat_template(tmp_path):
@@ -144,7 +148,7 @@ def test_eval_sets_respect_bounds_lines_and_chat_template(tmp_path):
         source = by_key[item["source_path"]]
         assert source.startswith(item["text"]) and item["text"].endswith("\n") and len(item["text"]) < len(source)
         assert item["prompt_ids"] == tok.encode(item["text"]) and not item["chat"]
-        assert source[len(item["text"]):].startswith(item["reference"])
+        assert source[len(item["text"]) :].startswith(item["reference"])
     for item in sets["summarisation"]:
         assert 150 <= item["prompt_len"] <= 400 and item["chat"]
         assert item["text"].endswith(SUMMARY_INSTRUCTION)
@@ -166,8 +170,9 @@ def test_eval_sets_respect_bounds_lines_and_chat_template(tmp_path):
 
 def test_eval_sets_refuse_too_few_long_documents():
     with pytest.raises(UserError, match="held-out document"):
-        build_eval_sets.build_eval_sets(fake_documents("code", 6, 2), fake_documents("doc", 6, 12),
-                                        CharTokenizer(), SMALL_SPEC)
+        build_eval_sets.build_eval_sets(
+            fake_documents("code", 6, 2), fake_documents("doc", 6, 12), CharTokenizer(), SMALL_SPEC
+        )
 
 
 # ----------------------------------------------------------------------------- benchmark and plot
@@ -183,13 +188,32 @@ def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
     build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
     out = tmp_path / "results.json"
 
-    rc = benchmark.main(["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,longspec",
-                         "--tasks", "code_completion", "--temperatures", "0,1", "--max-new-tokens", "6",
-                         "--json-out", str(out), "--runs-out", str(tmp_path / "runs.jsonl")])
+    rc = benchmark.main(
+        [
+            "--eval-dir",
+            str(tmp_path / "eval"),
+            "--target",
+            str(target),
+            "--modes",
+            "ar,longspec",
+            "--tasks",
+            "code_completion",
+            "--temperatures",
+            "0,1",
+            "--max-new-tokens",
+            "6",
+            "--json-out",
+            str(out),
+            "--runs-out",
+            str(tmp_path / "runs.jsonl"),
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     # The runs file, written as runs finished, rebuilds the same tables without the models.
-    assert benchmark.main(["--summarise", str(tmp_path / "runs.jsonl"), "--json-out", str(tmp_path / "again.json")]) == 0
+    assert (
+        benchmark.main(["--summarise", str(tmp_path / "runs.jsonl"), "--json-out", str(tmp_path / "again.json")]) == 0
+    )
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["runs"] == report["runs"] and again["markdown"] == report["markdown"]
     assert "longspec" in report["skipped_modes"]
@@ -203,32 +227,75 @@ def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
     assert capsys.readouterr().out.strip().endswith(report["markdown"].splitlines()[-1])
 
     with pytest.raises(UserError, match="vocabulary"):
-        benchmark.run(benchmark.build_parser().parse_args(
-            ["--eval-dir", str(tmp_path / "eval"), "--target", str(save_tiny_checkpoint(tmp_path / "t2", tiny_config(vocab_size=96)))]))
+        benchmark.run(
+            benchmark.build_parser().parse_args(
+                [
+                    "--eval-dir",
+                    str(tmp_path / "eval"),
+                    "--target",
+                    str(save_tiny_checkpoint(tmp_path / "t2", tiny_config(vocab_size=96))),
+                ]
+            )
+        )
 
     # --resume after a benchmark died before its last run: only that run is made again.
     runs_file = tmp_path / "runs.jsonl"
     runs_file.write_text("".join(line + "\n" for line in runs_file.read_text().splitlines()[:-1]))
-    rc = benchmark.main(["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar",
-                         "--tasks", "code_completion", "--temperatures", "0,1", "--max-new-tokens", "6",
-                         "--json-out", str(out), "--runs-out", str(runs_file), "--resume"])
+    rc = benchmark.main(
+        [
+            "--eval-dir",
+            str(tmp_path / "eval"),
+            "--target",
+            str(target),
+            "--modes",
+            "ar",
+            "--tasks",
+            "code_completion",
+            "--temperatures",
+            "0,1",
+            "--max-new-tokens",
+            "6",
+            "--json-out",
+            str(out),
+            "--runs-out",
+            str(runs_file),
+            "--resume",
+        ]
+    )
     resumed = json.loads(out.read_text())["runs"]
     assert rc == 0 and len(runs_file.read_text().splitlines()) == 4
     assert resumed[:3] == report["runs"][:3]  # the kept records, timings and all: not run again
-    assert {k: resumed[3][k] for k in ("id", "mode", "temperature", "tokens_sha1")} == \
-        {k: report["runs"][3][k] for k in ("id", "mode", "temperature", "tokens_sha1")}
+    assert {k: resumed[3][k] for k in ("id", "mode", "temperature", "tokens_sha1")} == {
+        k: report["runs"][3][k] for k in ("id", "mode", "temperature", "tokens_sha1")
+    }
 
 
 def fake_run(task, mode, temperature, tau, decode_s, bucket=None, prompt_len=100, matches=None):
-    return {"id": "x", "task": task, "bucket": bucket, "prompt_len": prompt_len, "mode": mode, "temperature": temperature,
-            "new_tokens": 10, "prefill_s": 0.1, "decode_s": decode_s, "tokens_per_s": 10 / decode_s, "tau": tau,
-            "rounds": 3, "profile": {}, "matches_ar": matches}
+    return {
+        "id": "x",
+        "task": task,
+        "bucket": bucket,
+        "prompt_len": prompt_len,
+        "mode": mode,
+        "temperature": temperature,
+        "new_tokens": 10,
+        "prefill_s": 0.1,
+        "decode_s": decode_s,
+        "tokens_per_s": 10 / decode_s,
+        "tau": tau,
+        "rounds": 3,
+        "profile": {},
+        "matches_ar": matches,
+    }
 
 
 def test_summary_speedup_buckets_and_plot_series():
-    runs = [fake_run("code_completion", "ar", 0.0, 1.0, 2.0), fake_run("code_completion", "pld", 0.0, 2.0, 1.0, matches=True),
-            fake_run("prefill_length", "pld", 0.0, 3.0, 1.0, "1-2k", 1500, True),
-            fake_run("prefill_length", "pld", 0.0, 2.4, 1.0, "6-8k", 7000, False)]
+    runs = [
+        fake_run("code_completion", "ar", 0.0, 1.0, 2.0),
+        fake_run("code_completion", "pld", 0.0, 2.0, 1.0, matches=True),
+        fake_run("prefill_length", "pld", 0.0, 3.0, 1.0, "1-2k", 1500, True),
+        fake_run("prefill_length", "pld", 0.0, 2.4, 1.0, "6-8k", 7000, False),
+    ]
     summary = benchmark.summarise(runs)
     pld = next(g for g in summary["by_task"] if (g["task"], g["mode"]) == ("code_completion", "pld"))
     assert pld["speedup_vs_ar"] == pytest.approx(2.0) and pld["matches_ar"] == 1.0
@@ -242,7 +309,10 @@ def test_summary_speedup_buckets_and_plot_series():
 
 
 def test_draw_writes_a_png_or_names_the_missing_dependency(tmp_path):
-    series = {"speed": {"code_completion": {"ar": 5.0, "pld": 10.0}}, "tau": {"pld": [("1-2k", 1500, 3.0), ("6-8k", 7000, 2.4)]}}
+    series = {
+        "speed": {"code_completion": {"ar": 5.0, "pld": 10.0}},
+        "tau": {"pld": [("1-2k", 1500, 3.0), ("6-8k", 7000, 2.4)]},
+    }
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:
@@ -254,18 +324,35 @@ def test_draw_writes_a_png_or_names_the_missing_dependency(tmp_path):
 
 
 def test_plot_from_runs_files_takes_tau_from_the_second(tmp_path, capsys):
-    speed_runs = [fake_run("code_completion", "ar", 0.0, 1.0, 2.0), fake_run("code_completion", "longspec", 0.0, 3.0, 0.5),
-                  fake_run("prefill_length", "longspec", 0.0, 9.0, 1.0, "1-2k", 1500)]
-    tau_runs = [fake_run("prefill_length", "longspec", 0.0, 3.5, 9.0, "1-2k", 1500),
-                fake_run("prefill_length", "longspec", 0.0, 3.0, 9.0, "6-8k", 7000)]
+    speed_runs = [
+        fake_run("code_completion", "ar", 0.0, 1.0, 2.0),
+        fake_run("code_completion", "longspec", 0.0, 3.0, 0.5),
+        fake_run("prefill_length", "longspec", 0.0, 9.0, 1.0, "1-2k", 1500),
+    ]
+    tau_runs = [
+        fake_run("prefill_length", "longspec", 0.0, 3.5, 9.0, "1-2k", 1500),
+        fake_run("prefill_length", "longspec", 0.0, 3.0, 9.0, "6-8k", 7000),
+    ]
     for name, runs in (("speed.jsonl", speed_runs), ("tau.jsonl", tau_runs)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in runs))
     assert plot_results.load_results(tmp_path / "speed.jsonl")["summary"]["by_task"][0]["tokens_per_s"] == 5.0
     drawn = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plot_results, "draw", lambda series, out, title: drawn.update(series=series, title=title))
-        assert plot_results.main([str(tmp_path / "speed.jsonl"), "--tau-from", str(tmp_path / "tau.jsonl"),
-                                  "--out", str(tmp_path / "p.png"), "--title", "mine"]) == 0
+        assert (
+            plot_results.main(
+                [
+                    str(tmp_path / "speed.jsonl"),
+                    "--tau-from",
+                    str(tmp_path / "tau.jsonl"),
+                    "--out",
+                    str(tmp_path / "p.png"),
+                    "--title",
+                    "mine",
+                ]
+            )
+            == 0
+        )
     assert drawn["title"] == "mine"
     assert drawn["series"]["speed"]["code_completion"] == {"ar": 5.0, "longspec": 20.0}
     assert drawn["series"]["tau"]["longspec"] == [("1-2k", 1500, 3.5), ("6-8k", 7000, 3.0)]
@@ -285,8 +372,24 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     sets = build_eval_sets.build_eval_sets(fake_documents("code", 4, 20), fake_documents("doc", 4, 12), tok, spec)
     build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
     out = tmp_path / "results.json"
-    common = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--draft", str(draft), "--modes", "ar,longspec",
-              "--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "8", "--limit", "1"]
+    common = [
+        "--eval-dir",
+        str(tmp_path / "eval"),
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--modes",
+        "ar,longspec",
+        "--tasks",
+        "code_completion",
+        "--temperatures",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--limit",
+        "1",
+    ]
 
     assert benchmark.main([*common, "--tree-widths", "2,3", "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -27,16 +27,25 @@ QD, KD = CFG.num_heads * CFG.head_dim, CFG.num_kv_heads * CFG.head_dim
 # The reference's tensor names and HF shapes (SPEC.md 3), written out here independently of
 # draft_io's own mapping; cross_attn.k_proj / v_proj exist in the reference but are unused.
 REFERENCE_SHAPES = {
-    "self_attn.q_proj.weight": (QD, H), "self_attn.q_proj.bias": (QD,),
-    "self_attn.k_proj.weight": (KD, H), "self_attn.k_proj.bias": (KD,),
-    "self_attn.v_proj.weight": (KD, H), "self_attn.v_proj.bias": (KD,),
+    "self_attn.q_proj.weight": (QD, H),
+    "self_attn.q_proj.bias": (QD,),
+    "self_attn.k_proj.weight": (KD, H),
+    "self_attn.k_proj.bias": (KD,),
+    "self_attn.v_proj.weight": (KD, H),
+    "self_attn.v_proj.bias": (KD,),
     "self_attn.o_proj.weight": (H, QD),
-    "cross_attn.q_proj.weight": (QD, H), "cross_attn.q_proj.bias": (QD,),
-    "cross_attn.k_proj.weight": (KD, H), "cross_attn.k_proj.bias": (KD,),
-    "cross_attn.v_proj.weight": (KD, H), "cross_attn.v_proj.bias": (KD,),
+    "cross_attn.q_proj.weight": (QD, H),
+    "cross_attn.q_proj.bias": (QD,),
+    "cross_attn.k_proj.weight": (KD, H),
+    "cross_attn.k_proj.bias": (KD,),
+    "cross_attn.v_proj.weight": (KD, H),
+    "cross_attn.v_proj.bias": (KD,),
     "cross_attn.o_proj.weight": (H, QD),
-    "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
-    "input_layernorm.weight": (H,), "post_self_attention_layernorm.weight": (H,),
+    "mlp.gate_proj.weight": (F, H),
+    "mlp.up_proj.weight": (F, H),
+    "mlp.down_proj.weight": (H, F),
+    "input_layernorm.weight": (H,),
+    "post_self_attention_layernorm.weight": (H,),
     "post_cross_attention_layernorm.weight": (H,),
 }
 

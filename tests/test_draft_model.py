@@ -44,7 +44,7 @@ def _randomized(module, seed, std):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, redrawn))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _models(window=WINDOW):
     target = _randomized(random_target(CFG, seed=1).model, 11, 0.3)
     block = _randomized(DraftBlock(CFG, DraftConfig(window=window), rngs=nnx.Rngs(0)), 12, 0.15)
@@ -143,8 +143,17 @@ def _run_steps(block, target, state, tokens, positions, target_k, target_v, lag,
         cross_len = jnp.broadcast_to(rows - lag + 1, (b, t))
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
         logits, state = _step(
-            block, target, state, tokens[:, t0:t0 + t], positions[:, t0:t0 + t], jnp.ones((b, t), bool),
-            target_k, target_v, cross_len, causal, commit=True,
+            block,
+            target,
+            state,
+            tokens[:, t0 : t0 + t],
+            positions[:, t0 : t0 + t],
+            jnp.ones((b, t), bool),
+            target_k,
+            target_v,
+            cross_len,
+            causal,
+            commit=True,
         )
         out.append(np.asarray(logits))
         t0 += t
@@ -164,7 +173,9 @@ def test_ring_buffer_steps_match_training_forward(lag):
     got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, lag, 0, SIZES)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    np.testing.assert_array_equal(np.sort(np.asarray(state.positions[:, :WINDOW]), axis=1), np.asarray(positions[:, l - WINDOW:]))
+    np.testing.assert_array_equal(
+        np.sort(np.asarray(state.positions[:, :WINDOW]), axis=1), np.asarray(positions[:, l - WINDOW :])
+    )
 
 
 def test_prefill_then_steps_match_training_forward():
@@ -182,11 +193,20 @@ def test_prefill_then_steps_match_training_forward():
         idx = jnp.asarray(t0[:, None] + np.arange(t)[None, :], jnp.int32)
         take = lambda x: jnp.take_along_axis(x, idx, axis=1)
         logits, state = _step(
-            block, target, state, take(tokens), idx, jnp.ones((b, t), bool), target_k, target_v, idx,
-            jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)), commit=True,
+            block,
+            target,
+            state,
+            take(tokens),
+            idx,
+            jnp.ones((b, t), bool),
+            target_k,
+            target_v,
+            idx,
+            jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
+            commit=True,
         )
         for r in range(b):
-            np.testing.assert_allclose(np.asarray(logits[r]), want[r, t0[r]:t0[r] + t], atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(np.asarray(logits[r]), want[r, t0[r] : t0[r] + t], atol=1e-4, rtol=1e-4)
         t0 = t0 + t
 
 
@@ -200,11 +220,13 @@ def test_sliding_window_is_exact_in_training_and_inference():
     positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
     for run in (
         lambda toks: _train_logits(block, target, toks, positions, target_k, target_v, 1),
-        lambda toks: _run_steps(block, target, init_draft_state(block, b, tree_slots=4), toks, positions, target_k, target_v, 1, 0, SIZES)[0],
+        lambda toks: _run_steps(
+            block, target, init_draft_state(block, b, tree_slots=4), toks, positions, target_k, target_v, 1, 0, SIZES
+        )[0],
     ):
         base, other = run(tokens), run(changed)
         assert np.abs(base[:, k + WINDOW] - other[:, k + WINDOW]).max() > 1e-3
-        np.testing.assert_allclose(base[:, k + WINDOW + 1:], other[:, k + WINDOW + 1:], atol=1e-6)
+        np.testing.assert_allclose(base[:, k + WINDOW + 1 :], other[:, k + WINDOW + 1 :], atol=1e-6)
 
 
 def test_tree_levels_through_tree_slots_match_ancestor_chains():
@@ -225,14 +247,27 @@ def test_tree_levels_through_tree_slots_match_ancestor_chains():
         t = toks.shape[1]
         positions = jnp.broadcast_to(jnp.asarray(root + depths, jnp.int32), (b, t))
         cross_len = jnp.full((b, t), root, jnp.int32)  # every tree node sees one target prefix
-        return _step(block, target, state, toks, positions, jnp.ones((b, t), bool), target_k, target_v,
-                     cross_len, jnp.broadcast_to(block_mask, (b, t, t)), commit=False, **kw)
+        return _step(
+            block,
+            target,
+            state,
+            toks,
+            positions,
+            jnp.ones((b, t), bool),
+            target_k,
+            target_v,
+            cross_len,
+            jnp.broadcast_to(block_mask, (b, t, t)),
+            commit=False,
+            **kw,
+        )
 
     logits1, state1 = feed(state0, level1, np.array([1, 1]), jnp.eye(2, dtype=bool), tree_offset=0)
     slot_mask = np.zeros((b, 3, 6), bool)
     slot_mask[:, np.arange(3), parents] = True
-    logits2, state2 = feed(state1, level2, np.array([2, 2, 2]), jnp.eye(3, dtype=bool),
-                           slot_mask=jnp.asarray(slot_mask), tree_offset=2)
+    logits2, state2 = feed(
+        state1, level2, np.array([2, 2, 2]), jnp.eye(3, dtype=bool), slot_mask=jnp.asarray(slot_mask), tree_offset=2
+    )
     np.testing.assert_array_equal(np.asarray(state2.positions[:, :WINDOW]), np.asarray(state0.positions[:, :WINDOW]))
 
     for i, p in enumerate(parents):
@@ -253,10 +288,23 @@ def test_padding_rows_are_neither_seen_nor_committed():
     causal = lambda t: jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     positions = jnp.broadcast_to(jnp.arange(9, 12, dtype=jnp.int32), (b, 3))
     valid = jnp.asarray([[True, False, True]] * b)
-    padded, padded_state = _step(block, target, state, tokens[:, 9:12], positions, valid, target_k, target_v, positions, causal(3), commit=True)
+    padded, padded_state = _step(
+        block, target, state, tokens[:, 9:12], positions, valid, target_k, target_v, positions, causal(3), commit=True
+    )
     kept = jnp.asarray([0, 2])
-    want, _ = _step(block, target, state, tokens[:, 9:12][:, kept], positions[:, kept], jnp.ones((b, 2), bool),
-                    target_k, target_v, positions[:, kept], causal(2), commit=True)
+    want, _ = _step(
+        block,
+        target,
+        state,
+        tokens[:, 9:12][:, kept],
+        positions[:, kept],
+        jnp.ones((b, 2), bool),
+        target_k,
+        target_v,
+        positions[:, kept],
+        causal(2),
+        commit=True,
+    )
     np.testing.assert_allclose(np.asarray(padded[:, kept]), np.asarray(want), atol=1e-5)
     assert set(np.asarray(padded_state.positions[0, :WINDOW]).tolist()) == {2, 4, 5, 6, 7, 8, 9, 11}
 
@@ -272,9 +320,19 @@ def test_draft_state_bytes_do_not_grow_with_context():
         state = init_draft_state(block, 1)
         state = draft_prefill(block, target, state, jnp.zeros((1, context), jnp.int32), jnp.asarray([context]))
         cache = jnp.zeros((1, context, HKV, D))
-        _, state = draft_step(block, target, state, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
-                              jnp.ones((1, 4), bool), cache, cache, jnp.zeros((1, 4), jnp.int32),
-                              jnp.ones((1, 4, 4), bool), commit=True)
+        _, state = draft_step(
+            block,
+            target,
+            state,
+            jnp.zeros((1, 4), jnp.int32),
+            jnp.zeros((1, 4), jnp.int32),
+            jnp.ones((1, 4), bool),
+            cache,
+            cache,
+            jnp.zeros((1, 4), jnp.int32),
+            jnp.ones((1, 4, 4), bool),
+            commit=True,
+        )
         return state
 
     small = jax.eval_shape(lambda: state_after(1024))

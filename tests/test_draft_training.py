@@ -20,7 +20,9 @@ from tests.tiny_models import tiny_config
 
 def _check_anchor_offsets(positions, length, max_len, anchors):
     assert positions.shape[1] == length
-    np.testing.assert_array_equal(positions[:, :anchors], np.broadcast_to(np.arange(anchors), (len(positions), anchors)))
+    np.testing.assert_array_equal(
+        positions[:, :anchors], np.broadcast_to(np.arange(anchors), (len(positions), anchors))
+    )
     offsets = positions[:, anchors] - anchors
     np.testing.assert_array_equal(positions[:, anchors:], offsets[:, None] + np.arange(anchors, length)[None, :])
     assert offsets.min() == 0 and offsets.max() == max_len - length  # covers the whole range, never beyond
@@ -31,7 +33,9 @@ def _check_anchor_offsets(positions, length, max_len, anchors):
 def test_anchor_offset_positions_numpy_and_jax(anchors):
     length, max_len = 12, 20
     rng = np.random.default_rng(0)
-    _check_anchor_offsets(anchor_offset_positions(rng, length, max_len, num_anchors=anchors, batch=2000), length, max_len, anchors)
+    _check_anchor_offsets(
+        anchor_offset_positions(rng, length, max_len, num_anchors=anchors, batch=2000), length, max_len, anchors
+    )
     got = anchor_offset_positions_jax(jax.random.key(0), length, max_len, num_anchors=anchors, batch=2000)
     assert got.dtype == jnp.int32
     _check_anchor_offsets(np.asarray(got), length, max_len, anchors)
@@ -116,13 +120,18 @@ def test_draft_loss_matches_dense_reference_and_trains():
 
     @nnx.jit
     def loss_and_grad(block):
-        return nnx.value_and_grad(lambda m: draft_loss(m, target, tokens, positions, mask, tk, tv, lag, chunk_tokens=8), has_aux=True)(block)
+        return nnx.value_and_grad(
+            lambda m: draft_loss(m, target, tokens, positions, mask, tk, tv, lag, chunk_tokens=8), has_aux=True
+        )(block)
 
     @nnx.jit
     def dense_loss_and_grad(block):
         def loss(m):
-            s, _, n = _dense_loss_sums(draft_hidden(m, target, tokens, positions, tk, tv, lag), target.lm_logits, tokens, mask)
+            s, _, n = _dense_loss_sums(
+                draft_hidden(m, target, tokens, positions, tk, tv, lag), target.lm_logits, tokens, mask
+            )
             return s / n
+
         return nnx.value_and_grad(loss)(block)
 
     (loss, metrics), grads = loss_and_grad(block)

@@ -36,7 +36,7 @@ def greedy_reference(target, prompt, n):
         top2 = np.sort(logits)[-2:]
         assert top2[1] - top2[0] > 1e-3, "near-tie: the comparison would test rounding, pick another seed"
         seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 PROMPT_A = [5, 17, 3, 99, 42]
@@ -99,10 +99,14 @@ def test_first_token_distribution_matches_the_filtered_softmax():
     logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
     p = np.exp(logits - logits.max())
     p /= p.sum()
-    draws = np.concatenate([
-        np.asarray(generate(target, [prompt] * 400, max_new_tokens=1, temperature=temperature, top_k=top_k, seed=s).tokens)[:, 0]
-        for s in range(5)
-    ])
+    draws = np.concatenate(
+        [
+            np.asarray(
+                generate(target, [prompt] * 400, max_new_tokens=1, temperature=temperature, top_k=top_k, seed=s).tokens
+            )[:, 0]
+            for s in range(5)
+        ]
+    )
     counts = np.bincount(draws, minlength=vocab)
     assert counts[p == 0].sum() == 0
     n = len(draws)

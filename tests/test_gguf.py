@@ -19,7 +19,6 @@ from longspec_jax.embedded import smollm2_gguf_path
 from longspec_jax.errors import UserError
 from longspec_jax.target import Target
 
-
 # The SmolLM2 tests share slow module fixtures: one xdist worker runs them all.
 on_smollm2_worker = pytest.mark.xdist_group("smollm2_gguf")
 EVAL_DIR = Path(__file__).resolve().parents[1] / "infer" / "eval_sets" / "smollm2"
@@ -64,9 +63,20 @@ def test_smollm2_tensors_equal_transformers(smollm2, transformers_smollm2):
 @on_smollm2_worker
 def test_smollm2_config_matches_transformers(smollm2, transformers_smollm2):
     ours, theirs = smollm2[0], transformers_smollm2[0]
-    for key in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert ours[key] == theirs[key], key
     assert ours["rms_norm_eps"] == pytest.approx(theirs["rms_norm_eps"], rel=1e-6)
     assert ours["rope_theta"] == pytest.approx(theirs["rope_theta"], rel=1e-6)
@@ -150,10 +160,17 @@ def random_hf_tensors(arch: str, tied: bool, rng) -> dict[str, np.ndarray]:
 
 
 GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -165,8 +182,7 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{i}.{GGUF_NAMES['.'.join(module)]}.{kind}"
 
 
-def write_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, rope=None, quantise_embedding=False,
-               eot=None):
+def write_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, rope=None, quantise_embedding=False, eot=None):
     t = TINY
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(t["layers"])
@@ -186,7 +202,11 @@ def write_gguf(path, arch: str, tensors: dict[str, np.ndarray], *, rope=None, qu
         w.add_rope_scaling_factor(rope["factor"])
     if rope is not None and rope["rope_type"] == "llama3":
         divisors = llama3_rope_divisors(
-            t["head_dim"], 500000.0, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            t["head_dim"],
+            500000.0,
+            rope["factor"],
+            rope["low_freq_factor"],
+            rope["high_freq_factor"],
             rope["original_max_position_embeddings"],
         )
         w.add_tensor("rope_freqs.weight", divisors)
@@ -215,9 +235,17 @@ def test_synthetic_gguf_round_trips(tmp_path, arch, tied):
     parsed = ModelConfig.from_hf_dict(config)
     t = TINY
     assert (parsed.model_type, parsed.vocab_size, parsed.hidden_size, parsed.intermediate_size) == (
-        arch, t["vocab"], t["hidden"], t["ffn"])
+        arch,
+        t["vocab"],
+        t["hidden"],
+        t["ffn"],
+    )
     assert (parsed.num_layers, parsed.num_heads, parsed.num_kv_heads, parsed.head_dim) == (
-        t["layers"], t["heads"], t["kv_heads"], t["head_dim"])
+        t["layers"],
+        t["heads"],
+        t["kv_heads"],
+        t["head_dim"],
+    )
     assert (parsed.tie_word_embeddings, parsed.qkv_bias) == (tied, arch == "qwen2")
     assert (parsed.rope_theta, parsed.rms_norm_eps, parsed.max_position_embeddings) == (500000.0, 1e-5, 4096)
     assert (parsed.bos_token_id, parsed.eos_token_ids, parsed.rope_scaling.kind) == (1, (2,), "default")
@@ -240,10 +268,20 @@ def test_quantised_tensor_dequantises_in_hf_orientation(tmp_path):
     "rope",
     [
         {"rope_type": "linear", "factor": 4.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
-        {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
-         "original_max_position_embeddings": 8192},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 8192,
+        },
     ],
 )
 def test_rope_scaling_is_recovered(tmp_path, rope):
@@ -331,9 +369,13 @@ def test_shipped_draft_is_lossless_and_accepts_on_real_code(smollm2):
     from longspec_jax.generation import Generator
 
     config = ModelConfig.from_hf_dict(smollm2[0])
-    target = Target(config, model_from_hf_tensors(config, smollm2[1], "float32"), shipped_draft=embedded.default_draft_dir())
+    target = Target(
+        config, model_from_hf_tensors(config, smollm2[1], "float32"), shipped_draft=embedded.default_draft_dir()
+    )
     prompt = json.loads((EVAL_DIR / "code_completion.jsonl").read_text().splitlines()[0])["prompt_ids"][:PREFIX]
     ar = Generator(target, mode="ar").generate(prompt, max_new_tokens=NEW, eos_token_ids=())
-    spec = Generator(target, inference_draft(target), mode="longspec").generate(prompt, max_new_tokens=NEW, eos_token_ids=())
+    spec = Generator(target, inference_draft(target), mode="longspec").generate(
+        prompt, max_new_tokens=NEW, eos_token_ids=()
+    )
     assert spec.tokens == ar.tokens
     assert spec.stats.tau >= 2.0, spec.stats.tau

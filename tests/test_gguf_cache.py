@@ -134,8 +134,7 @@ def tensor_entry(cache_dir):
     return entry
 
 
-def test_tensors_are_converted_once_then_read_back_exactly(cache_dir, tiny_gguf, uncached_tensors,
-                                                           tensor_conversions):
+def test_tensors_are_converted_once_then_read_back_exactly(cache_dir, tiny_gguf, uncached_tensors, tensor_conversions):
     # The fixture's file really needs float32 storage: its Q4_1 values do not survive float16.
     embedding = uncached_tensors[1]["model.embed_tokens.weight"]
     assert not np.array_equal(embedding.astype(np.float16).astype(np.float32), embedding)
@@ -149,8 +148,9 @@ def test_tensors_are_converted_once_then_read_back_exactly(cache_dir, tiny_gguf,
     assert tensor_conversions.calls == 1
 
 
-def test_tokenizer_is_converted_once_then_read_back_equal(cache_dir, tiny_gguf, uncached_tokenizer,
-                                                          tokenizer_conversions):
+def test_tokenizer_is_converted_once_then_read_back_equal(
+    cache_dir, tiny_gguf, uncached_tokenizer, tokenizer_conversions
+):
     load_tokenizer(tiny_gguf)
     cached = load_tokenizer(tiny_gguf)
     assert tokenizer_conversions.calls == 1
@@ -213,8 +213,7 @@ def test_damaged_tensor_entry_is_rebuilt(cache_dir, tiny_gguf, uncached_tensors,
     [lambda entry: garble(entry / "tokenizer.json"), lambda entry: truncate(entry / "chat_template.jinja")],
     ids=["garbled-vocabulary", "truncated-template"],
 )
-def test_damaged_tokenizer_entry_is_rebuilt(cache_dir, tiny_gguf, uncached_tokenizer, tokenizer_conversions,
-                                            damage):
+def test_damaged_tokenizer_entry_is_rebuilt(cache_dir, tiny_gguf, uncached_tokenizer, tokenizer_conversions, damage):
     load_tokenizer(tiny_gguf)
     (entry,) = (cache_dir / "gguf_tokenizer").iterdir()
     damage(entry)
@@ -226,8 +225,7 @@ def test_damaged_tokenizer_entry_is_rebuilt(cache_dir, tiny_gguf, uncached_token
     assert tokenizer_conversions.calls == 2
 
 
-def test_entry_of_other_converter_code_is_replaced(cache_dir, tiny_gguf, uncached_tensors,
-                                                   tensor_conversions):
+def test_entry_of_other_converter_code_is_replaced(cache_dir, tiny_gguf, uncached_tensors, tensor_conversions):
     read_gguf(tiny_gguf)
     manifest_path = tensor_entry(cache_dir) / gguf_cache.MANIFEST
     manifest = json.loads(manifest_path.read_text())
@@ -239,8 +237,7 @@ def test_entry_of_other_converter_code_is_replaced(cache_dir, tiny_gguf, uncache
     assert [p.name for p in (cache_dir / "gguf_tensors").iterdir()] == [gguf_cache.file_sha256(tiny_gguf)]
 
 
-def test_interrupted_write_leaves_no_entry(cache_dir, tiny_gguf, uncached_tensors, tensor_conversions,
-                                          monkeypatch):
+def test_interrupted_write_leaves_no_entry(cache_dir, tiny_gguf, uncached_tensors, tensor_conversions, monkeypatch):
     def interrupted_save(converted, folder):
         (folder / gguf_cache.TENSORS_FILE).write_bytes(b"the first bytes of the tensors")
         raise KeyboardInterrupt
@@ -255,8 +252,9 @@ def test_interrupted_write_leaves_no_entry(cache_dir, tiny_gguf, uncached_tensor
     assert tensor_conversions.calls == 2
 
 
-def test_temporaries_of_killed_writes_are_never_read_and_get_removed(cache_dir, tiny_gguf, uncached_tensors,
-                                                                     tensor_conversions):
+def test_temporaries_of_killed_writes_are_never_read_and_get_removed(
+    cache_dir, tiny_gguf, uncached_tensors, tensor_conversions
+):
     folder = cache_dir / "gguf_tensors"
     killed, live = folder / ".tmp-killed", folder / ".tmp-live"
     for temp in (killed, live):

@@ -76,8 +76,9 @@ def test_default_impl_on_cpu_is_xla_and_unknown_impls_are_user_errors():
     assert attention.FASTEST_GPU_IMPL in attention.IMPLS
     z = jnp.zeros((1, 1, 4, 64))
     with pytest.raises(UserError, match="unknown attention impl"):
-        attention.hybrid_tree_attention(z, z, z, jnp.ones((1,), jnp.int32), z, z, jnp.ones((1, 1, 1), bool),
-                                        impl="flash")
+        attention.hybrid_tree_attention(
+            z, z, z, jnp.ones((1,), jnp.int32), z, z, jnp.ones((1, 1, 1), bool), impl="flash"
+        )
     with pytest.raises(UserError, match="unknown attention impl"):
         attention.prefill_attention(z, z, z, jnp.ones((1,), jnp.int32), impl="flash")
 

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from longspec_jax import UserError, init_cache, random_target
-from longspec_jax.model import Transformer
 from longspec_jax import commit as _commit_eager
+from longspec_jax.model import Transformer
 from tests.tiny_models import tiny_config
 
 ATOL = 2e-5
@@ -43,15 +43,21 @@ def prefill(target, tokens, lengths):
 
 
 def block(target, tokens, positions, mask, cache):
-    return _block(*nnx.split(target.model), jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32),
-                  jnp.asarray(mask, bool), cache)
+    return _block(
+        *nnx.split(target.model),
+        jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(mask, bool),
+        cache,
+    )
 
 
 def decode_one(target, token_per_seq, cache):
     """One AR step: a T=1 block at position `lengths`, then commit it."""
     b = len(token_per_seq)
-    logits, cache = block(target, np.asarray(token_per_seq)[:, None], cache.lengths[:, None],
-                          np.ones((b, 1, 1), bool), cache)
+    logits, cache = block(
+        target, np.asarray(token_per_seq)[:, None], cache.lengths[:, None], np.ones((b, 1, 1), bool), cache
+    )
     return logits[:, 0], commit(cache, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
 
 
@@ -87,8 +93,9 @@ def test_block_with_causal_mask_equals_single_steps(target):
     causal = np.broadcast_to(np.tril(np.ones((t_block, t_block), bool)), (2, t_block, t_block))
     block_logits, block_cache = block(target, seq[:, prompt_len:], positions, causal, start)
     assert block_cache.lengths.tolist() == [prompt_len] * 2  # forward_block commits nothing
-    block_cache = commit(block_cache, jnp.broadcast_to(jnp.arange(t_block), (2, t_block)),
-                         jnp.full((2,), t_block, jnp.int32))
+    block_cache = commit(
+        block_cache, jnp.broadcast_to(jnp.arange(t_block), (2, t_block)), jnp.full((2,), t_block, jnp.int32)
+    )
     step_cache = start
     for i in range(t_block):
         logits, step_cache = decode_one(target, seq[:, prompt_len + i], step_cache)
@@ -206,12 +213,44 @@ def test_prefill_longer_than_cache_is_a_user_error(target):
 @pytest.mark.parametrize(
     "overrides, expected",
     [  # published parameter counts of Llama-2-7B, Llama-3.1-8B and Qwen2.5-7B
-        (dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
-              num_kv_heads=32, head_dim=128), 6_738_415_616),
-        (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-              num_kv_heads=8, head_dim=128), 8_030_261_248),
-        (dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-              num_heads=28, num_kv_heads=4, head_dim=128, qkv_bias=True), 7_615_616_512),
+        (
+            dict(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=11008,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=32,
+                head_dim=128,
+            ),
+            6_738_415_616,
+        ),
+        (
+            dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+            ),
+            8_030_261_248,
+        ),
+        (
+            dict(
+                model_type="qwen2",
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_layers=28,
+                num_heads=28,
+                num_kv_heads=4,
+                head_dim=128,
+                qkv_bias=True,
+            ),
+            7_615_616_512,
+        ),
     ],
 )
 def test_full_size_parameter_counts(overrides, expected):

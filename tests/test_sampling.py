@@ -48,7 +48,16 @@ def assert_same_distribution(got, want):
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p",
-    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.9), (0.8, 7, 0.6), (1.0, 1, 1.0), (0.5, 100, 0.3), (0.0, 3, 0.5)],
+    [
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.3, 5, 1.0),
+        (1.0, 0, 0.9),
+        (0.8, 7, 0.6),
+        (1.0, 1, 1.0),
+        (0.5, 100, 0.3),
+        (0.0, 3, 0.5),
+    ],
 )
 def test_filtered_log_probs_match_float64_reference(temperature, top_k, top_p):
     logits = np.random.default_rng(0).normal(size=(3, 4, 37)).astype(np.float32) * 2.5

@@ -18,7 +18,16 @@ from scipy import stats
 from longspec_jax.draft import DraftConfig, draft_hidden
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
-from longspec_jax.generation import SMALL_BUCKETS_UP_TO, DecodeRequest, Generator, StopRule, cache_bytes, compiled, generate, prefill
+from longspec_jax.generation import (
+    SMALL_BUCKETS_UP_TO,
+    DecodeRequest,
+    Generator,
+    StopRule,
+    cache_bytes,
+    compiled,
+    generate,
+    prefill,
+)
 from longspec_jax.model import init_cache
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
 from longspec_jax.speculative import (
@@ -92,7 +101,24 @@ class OracleDrafter:
     def prefill(self, params, target_model, state, tokens, lengths):
         return state
 
-    def step(self, params, target_model, state, tokens, positions, valid, target_k, target_v, cross_len, tree_mask, *, commit, slot_mask=None, tree_offset=0, attn_impl="xla"):
+    def step(
+        self,
+        params,
+        target_model,
+        state,
+        tokens,
+        positions,
+        valid,
+        target_k,
+        target_v,
+        cross_len,
+        tree_mask,
+        *,
+        commit,
+        slot_mask=None,
+        tree_offset=0,
+        attn_impl="xla",
+    ):
         right = jnp.take_along_axis(params, jnp.clip(positions + 1, 0, params.shape[1] - 1), axis=1)
         wrong = (positions * 7919 + tokens * 104729) % 100 < 15
         guess = jnp.where(wrong, (right + 1) % self.vocab, right)
@@ -107,7 +133,9 @@ def oracle_generate(target, prompts, reference, max_new, eos=()):
         known[b, : len(p) + len(out)] = p + out
     generator = Generator(target, mode="longspec", attn_impl="xla")
     request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=tuple(eos))
-    return run_with_drafter(generator, prompts, request, WIDTHS, OracleDrafter(target.config.vocab_size), jnp.asarray(known))
+    return run_with_drafter(
+        generator, prompts, request, WIDTHS, OracleDrafter(target.config.vocab_size), jnp.asarray(known)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +149,9 @@ def draft(target):
 
 @pytest.fixture(scope="module")
 def random_draft_result(target, prompts, draft):
-    return generate(target, prompts, mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=10, eos_token_ids=())
+    return generate(
+        target, prompts, mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=10, eos_token_ids=()
+    )
 
 
 def test_longspec_greedy_with_random_draft_equals_ar(random_draft_result, reference):
@@ -132,8 +162,15 @@ def test_longspec_greedy_with_random_draft_equals_ar(random_draft_result, refere
 def test_streaming_runs_the_same_loop_in_chunks(target, prompts, draft, random_draft_result):
     chunks = []
     result = generate(
-        target, prompts, mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=10, eos_token_ids=(),
-        stream=chunks.append, stream_every=len(WIDTHS) + 1,  # one round per chunk
+        target,
+        prompts,
+        mode="longspec",
+        draft=draft,
+        tree_widths=WIDTHS,
+        max_new_tokens=10,
+        eos_token_ids=(),
+        stream=chunks.append,
+        stream_every=len(WIDTHS) + 1,  # one round per chunk
     )
     assert result.tokens == random_draft_result.tokens
     assert len(chunks) == result.stats.rounds and chunks[-1] == result.tokens
@@ -184,9 +221,16 @@ def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_
         cache = jax.eval_shape(lambda: init_cache(target.config, 2, bucket + MAX_NEW + 13, jnp.float32))
         start = functools.partial(spec_start, graphdef=graphdef, drafter=drafter, config=config)
         state = jax.eval_shape(
-            start, params, draft_params, cache, jax.ShapeDtypeStruct((2, bucket), jnp.int32),
-            jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, target.config.vocab_size), jnp.float32),
-            SamplingParams.create(), jax.random.key(0), StopRule.create((), MAX_NEW),
+            start,
+            params,
+            draft_params,
+            cache,
+            jax.ShapeDtypeStruct((2, bucket), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((2, target.config.vocab_size), jnp.float32),
+            SamplingParams.create(),
+            jax.random.key(0),
+            StopRule.create((), MAX_NEW),
         )
         return cache_bytes(state.draft_state), cache_bytes(state.cache)
 
@@ -222,13 +266,23 @@ def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p):
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
     prompt = [1, 3, 0, 2, 2]
     result = generate(
-        target, [prompt] * SAMPLES, mode="longspec", draft=draft, tree_widths=(2, 2), max_new_tokens=3,
-        temperature=temperature, top_p=top_p, seed=7, eos_token_ids=(),
+        target,
+        [prompt] * SAMPLES,
+        mode="longspec",
+        draft=draft,
+        tree_widths=(2, 2),
+        max_new_tokens=3,
+        temperature=temperature,
+        top_p=top_p,
+        seed=7,
+        eos_token_ids=(),
     )
     sampling = SamplingParams.create(temperature=temperature, top_p=top_p)
     expected = exact_first_three(target, prompt, sampling).reshape(-1) * SAMPLES
     tokens = np.asarray(result.tokens)
-    observed = np.bincount((tokens[:, 0] * SAMPLE_VOCAB + tokens[:, 1]) * SAMPLE_VOCAB + tokens[:, 2], minlength=SAMPLE_VOCAB**3)
+    observed = np.bincount(
+        (tokens[:, 0] * SAMPLE_VOCAB + tokens[:, 1]) * SAMPLE_VOCAB + tokens[:, 2], minlength=SAMPLE_VOCAB**3
+    )
     assert observed[expected == 0].sum() == 0
     # Cells expected below 5 are pooled into one (chi-square needs it), if there are any.
     big = expected >= 5
@@ -270,9 +324,21 @@ def loop_start(target, prompts, draft):
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
     tokens, lengths = jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
-    run_prefill, _ = compiled(prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla")
+    run_prefill, _ = compiled(
+        prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla"
+    )
     last_logits, cache = run_prefill(params, tokens, lengths)
-    start_args = (params, draft_params, cache, tokens, lengths, last_logits, SamplingParams.create(), jax.random.key(0), StopRule.create((), MAX_NEW))
+    start_args = (
+        params,
+        draft_params,
+        cache,
+        tokens,
+        lengths,
+        last_logits,
+        SamplingParams.create(),
+        jax.random.key(0),
+        StopRule.create((), MAX_NEW),
+    )
     start, _ = compiled(spec_start, *start_args, graphdef=graphdef, drafter=drafter, config=config)
     return start(*start_args)
 
@@ -292,7 +358,9 @@ def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, pr
 
     looped = loop_start(target, prompts, draft)
     stop_at = jnp.asarray(rounds, jnp.int32)
-    decode, _ = compiled(spec_decode, params, draft_params, looped, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config)
+    decode, _ = compiled(
+        spec_decode, params, draft_params, looped, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config
+    )
     looped = decode(params, draft_params, looped, stop_at, sampling)
 
     state = loop_start(target, prompts, draft)
@@ -305,7 +373,9 @@ def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, pr
         np.testing.assert_array_equal(getattr(state, name), getattr(looped, name), err_msg=name)
     np.testing.assert_array_equal(state.cache.lengths, looped.cache.lengths)
     assert int(looped.emitted) >= 2 * rounds  # every round emitted for both sequences
-    for got, want in zip(jax.tree.leaves((state.cache, state.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))):
+    for got, want in zip(
+        jax.tree.leaves((state.cache, state.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))
+    ):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=1e-5, rtol=1e-5)
 
     # n repetitions inside one program == n chained one-repetition programs (the loop repeats the part).
@@ -322,7 +392,9 @@ def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, pr
     chained = (None, copy(looped.cache))
     for _ in range(3):
         chained = _repeat_verify(params, tree, chained[1], one, graphdef=graphdef, config=config)
-    assert_trees_close(_repeat_verify(params, tree, copy(looped.cache), three, graphdef=graphdef, config=config), chained)
+    assert_trees_close(
+        _repeat_verify(params, tree, copy(looped.cache), three, graphdef=graphdef, config=config), chained
+    )
 
 
 def assert_trees_close(got, want):
@@ -334,8 +406,16 @@ def test_profile_round_reports_per_repetition_milliseconds(target, prompts, draf
     graphdef, params = nnx.split(target.model)
     drafter, draft_params = drafter_for(draft, WIDTHS)
     config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
-    parts, state = profile_round(graphdef, params, drafter, draft_params, loop_start(target, prompts, draft),
-                                 SamplingParams.create(), config, repeats=2)
+    parts, state = profile_round(
+        graphdef,
+        params,
+        drafter,
+        draft_params,
+        loop_start(target, prompts, draft),
+        SamplingParams.create(),
+        config,
+        repeats=2,
+    )
     assert set(parts) == {"draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"}
     assert all(np.isfinite(v) and v > 0 for v in parts.values())
     assert parts["parts_sum_ms"] == pytest.approx(parts["draft_ms"] + parts["verify_ms"] + parts["accept_ms"])
@@ -381,8 +461,13 @@ def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prom
                 continue
             seq = chain(parent)
             log_probs = chain_log_probs(
-                graphdef, nnx.graphdef(draft.block), params, draft_vars,
-                jnp.asarray([seq + [0] * (CHAIN_LEN - len(seq))], jnp.int32), len(seq) - 1, int(depths[parent]) + 1,
+                graphdef,
+                nnx.graphdef(draft.block),
+                params,
+                draft_vars,
+                jnp.asarray([seq + [0] * (CHAIN_LEN - len(seq))], jnp.int32),
+                len(seq) - 1,
+                int(depths[parent]) + 1,
             )
             expected[children] = expected[parent] + np.asarray(log_probs)[node_tokens[children]]
         assert np.ptp(expected[1:]) > 1.0  # confident, distinct scores: a wiring slip would show

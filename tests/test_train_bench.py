@@ -28,7 +28,9 @@ def table_rows(lines):
 def test_bench_small_runs_one_and_two_devices_and_merge_rebuilds_its_table(tmp_path, capsys):
     saved = tmp_path / "train_32.jsonl"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(saved)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(saved)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-1] == "data modules imported: []"
@@ -36,7 +38,9 @@ def test_bench_small_runs_one_and_two_devices_and_merge_rebuilds_its_table(tmp_p
     printed = [json.loads(line) for line in lines if line.startswith("{")]
     assert [(r["seq_len"], r["devices"]) for r in printed] == [(32, 1), (32, 2)]
     assert saved.read_text().splitlines() == [line for line in lines if line.startswith("{")]
-    assert lines.index(next(line for line in lines if line.startswith("| 32 "))) > max(i for i, line in enumerate(lines) if line.startswith("{"))
+    assert lines.index(next(line for line in lines if line.startswith("| 32 "))) > max(
+        i for i, line in enumerate(lines) if line.startswith("{")
+    )
     for r in printed:
         assert r["compile_s"] > 0 and r["build_s"] > 0 and r["warmup_step_s"] > 0 and r["step_s"] > 0
     rows = table_rows(lines)
@@ -83,8 +87,10 @@ def test_random_module_state_matches_the_modules_own_initialiser_in_shape_dtype_
     from train.configs import tiny
 
     mesh = sharding.make_mesh((1, -1, 1), jax.devices()[:1])
-    for make in (lambda: Transformer(tiny.MODEL, dtype="bfloat16", rngs=nnx.Rngs(0)),
-                 lambda: DraftBlock(tiny.MODEL, rngs=nnx.Rngs(1))):
+    for make in (
+        lambda: Transformer(tiny.MODEL, dtype="bfloat16", rngs=nnx.Rngs(0)),
+        lambda: DraftBlock(tiny.MODEL, rngs=nnx.Rngs(1)),
+    ):
         graphdef, state = bench_train._random_module_state(make, mesh)
         ref_graphdef, ref_state = nnx.split(make())
         assert graphdef == ref_graphdef

@@ -35,16 +35,33 @@ def test_paper_stage_hyperparameters():
     s1, s2 = cfg.stages
     assert (s1.seq_len, s1.batch_size, s1.lr, s1.anchor_offset, s1.max_offset) == (1024, 2048, 5e-4, True, 15_000)
     assert (s2.batch_size, s2.lr) == (256, 5e-6)
-    assert (cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.warmup_fraction, cfg.clip_norm) == (0.9, 0.95, 1e-6, 0.1, 0.1, 1.0)
+    assert (cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay, cfg.warmup_fraction, cfg.clip_norm) == (
+        0.9,
+        0.95,
+        1e-6,
+        0.1,
+        0.1,
+        1.0,
+    )
     qwq = load_config("qwq32b")
     assert len(qwq.stages) == 3 and qwq.stages[2].seq_len == 32_768 and qwq.stages[0].max_offset == 30_000
 
 
 def test_overrides_are_typed_by_the_field():
-    cfg = apply_overrides(load_config("vicuna7b"), [
-        "seed=7", "lr=1e-4", "anchor_offset=false", "mesh=2,4,1", "attn_impl=none", "max_steps=1e3",
-        "data=a.jsonl,b.parquet", "stage=2", "output_dir=/tmp/x",
-    ])
+    cfg = apply_overrides(
+        load_config("vicuna7b"),
+        [
+            "seed=7",
+            "lr=1e-4",
+            "anchor_offset=false",
+            "mesh=2,4,1",
+            "attn_impl=none",
+            "max_steps=1e3",
+            "data=a.jsonl,b.parquet",
+            "stage=2",
+            "output_dir=/tmp/x",
+        ],
+    )
     assert cfg.seed == 7 and cfg.mesh == (2, 4, 1) and cfg.attn_impl is None and cfg.output_dir == "/tmp/x"
     # stage is applied first, so stage fields land in stage 2
     assert cfg.stage == 2 and cfg.current.lr == 1e-4 and cfg.current.anchor_offset is False
@@ -52,15 +69,18 @@ def test_overrides_are_typed_by_the_field():
     assert cfg.stages[0].lr == 5e-4
 
 
-@pytest.mark.parametrize("assignment, message", [
-    ("nonsense=1", "unknown key"),
-    ("seed=abc", "not a valid int"),
-    ("anchor_offset=maybe", "not a valid bool"),
-    ("mesh=1,2", "3 comma-separated"),
-    ("lr", "expected key=value"),
-    ("log_every=0", "at least 1"),
-    ("seq_len=3", "must exceed num_anchors"),
-])
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("nonsense=1", "unknown key"),
+        ("seed=abc", "not a valid int"),
+        ("anchor_offset=maybe", "not a valid bool"),
+        ("mesh=1,2", "3 comma-separated"),
+        ("lr", "expected key=value"),
+        ("log_every=0", "at least 1"),
+        ("seq_len=3", "must exceed num_anchors"),
+    ],
+)
 def test_bad_overrides_are_user_errors(assignment, message):
     with pytest.raises(UserError, match=message):
         apply_overrides(load_config("tiny"), [assignment]).validate()
@@ -71,14 +91,26 @@ def test_unknown_config_names_the_known_ones():
         load_config("no_such_config")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--config", "no_such_config"], "no config"),
-    (["--config", "tiny", "--stage", "3"], "--stage 3 does not exist"),
-    (["--config", "vicuna7b", "--target", "/no/such/target", "--data", str(CONFIG_DIR.parent / "corpus" / "tiny.txt")],
-     "target /no/such/target does not exist"),
-    (["--config", "tiny", "--data", "/no/such/data.jsonl"], "data path /no/such/data.jsonl does not exist"),
-    (["--config", "tiny", "--set", "mesh=3,1,1"], "mesh"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "no_such_config"], "no config"),
+        (["--config", "tiny", "--stage", "3"], "--stage 3 does not exist"),
+        (
+            [
+                "--config",
+                "vicuna7b",
+                "--target",
+                "/no/such/target",
+                "--data",
+                str(CONFIG_DIR.parent / "corpus" / "tiny.txt"),
+            ],
+            "target /no/such/target does not exist",
+        ),
+        (["--config", "tiny", "--data", "/no/such/data.jsonl"], "data path /no/such/data.jsonl does not exist"),
+        (["--config", "tiny", "--set", "mesh=3,1,1"], "mesh"),
+    ],
+)
 def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
     code = run.main([*argv, "--set", f"output_dir={tmp_path}", "--set", f"data_cache_dir={tmp_path / 'cache'}"])
     err = capsys.readouterr().err
@@ -90,8 +122,14 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
 
 def test_cli_error_has_no_traceback_as_a_process(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-m", "train.run", "--config", "tiny", "--data", str(tmp_path / "missing")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "train.run", "--config", "tiny", "--data", str(tmp_path / "missing")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "does not exist" in out.stderr
 

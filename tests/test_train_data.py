@@ -9,8 +9,18 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from train.data import ByteEncoder, batch_iterator, find_files, load_corpus, text_encoder
 
-MODEL = ModelConfig(model_type="llama", vocab_size=320, hidden_size=8, intermediate_size=8, num_layers=1,
-                    num_heads=1, num_kv_heads=1, head_dim=8, bos_token_id=257, eos_token_ids=(256,))
+MODEL = ModelConfig(
+    model_type="llama",
+    vocab_size=320,
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=8,
+    bos_token_id=257,
+    eos_token_ids=(256,),
+)
 BOS, EOS = 257, 256
 
 
@@ -20,8 +30,9 @@ def write_jsonl(path, records):
 
 
 def corpus(tmp_path, paths, **kwargs):
-    return load_corpus([str(p) for p in paths], text_encoder(None, MODEL), MODEL, cache_dir=str(tmp_path / "cache"),
-                       **kwargs)
+    return load_corpus(
+        [str(p) for p in paths], text_encoder(None, MODEL), MODEL, cache_dir=str(tmp_path / "cache"), **kwargs
+    )
 
 
 def take(iterator, n):

@@ -30,17 +30,31 @@ def corpus_file(tmp_path_factory):
     for i in range(96):
         a, b, thing = NAMES[i % 6], NAMES[(i * 5 + 1) % 6], THINGS[i % 4]
         n, k = 3 + i % 5, 1 + i % 3
-        lines.append(json.dumps({"text": f"{a} has {n} {thing}. {a} gives {k} {thing} to {b}. "
-                                         f"Now {a} has {n - k} {thing} and {b} has {k} {thing}."}))
+        lines.append(
+            json.dumps(
+                {
+                    "text": f"{a} has {n} {thing}. {a} gives {k} {thing} to {b}. "
+                    f"Now {a} has {n - k} {thing} and {b} has {k} {thing}."
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def tiny_cfg(corpus_file, out_dir, *overrides):
-    return apply_overrides(load_config("tiny"), [
-        f"data={corpus_file}", f"output_dir={out_dir}", f"data_cache_dir={out_dir.parent / 'cache'}",
-        f"max_steps={STEPS}", "checkpoint_every=100", "log_every=4", *overrides,
-    ])
+    return apply_overrides(
+        load_config("tiny"),
+        [
+            f"data={corpus_file}",
+            f"output_dir={out_dir}",
+            f"data_cache_dir={out_dir.parent / 'cache'}",
+            f"max_steps={STEPS}",
+            "checkpoint_every=100",
+            "log_every=4",
+            *overrides,
+        ],
+    )
 
 
 class Recorder:
@@ -99,8 +113,11 @@ def test_interrupted_run_resumes_exactly(uninterrupted, corpus_file, tmp_path):
         seen = first.batches.get(step, second.batches.get(step))
         assert np.array_equal(seen, full_batches.batches[step]), f"step {step} saw different data"
     np.testing.assert_array_equal(
-        np.asarray(load_draft(resumed.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]),
-        np.asarray(load_draft(full.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]))
+        np.asarray(
+            load_draft(resumed.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]
+        ),
+        np.asarray(load_draft(full.draft_path, random_target(load_config("tiny").model)).block.mlp.up_proj.kernel[...]),
+    )
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus_file, tmp_path):
@@ -118,7 +135,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus_file, t
     assert store.latest_step() == good_steps
     restored = store.manager.restore(good_steps, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored.state["params"]))
-    floats = {np.asarray(x).dtype for x in jax.tree.leaves(restored.state) if np.issubdtype(np.asarray(x).dtype, np.floating)}
+    floats = {
+        np.asarray(x).dtype for x in jax.tree.leaves(restored.state) if np.issubdtype(np.asarray(x).dtype, np.floating)
+    }
     assert floats == {np.dtype(np.float32)}  # master weights and Adam moments
     assert not (out / "stage1" / "draft").exists()
 
@@ -141,7 +160,6 @@ def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_
     result, _ = uninterrupted
     with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):
         train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
-
 
 
 def test_time_limit_stops_saves_exports_and_resumes(corpus_file, tmp_path):

@@ -50,8 +50,10 @@ def test_optimizer_matches_the_reference_adamw():
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "bias": rng.normal(size=(3,)).astype(np.float32)}
     # Gradients large enough that clipping at 1.0 matters on some steps and not on others.
-    grads_seq = [{k: (rng.normal(size=x.shape) * (3.0 if t % 2 else 0.1)).astype(np.float32) for k, x in params.items()}
-                 for t in range(steps)]
+    grads_seq = [
+        {k: (rng.normal(size=x.shape) * (3.0 if t % 2 else 0.1)).astype(np.float32) for k, x in params.items()}
+        for t in range(steps)
+    ]
     state = optimizer.init({k: jnp.asarray(v) for k, v in params.items()})
     ours = {k: jnp.asarray(v) for k, v in params.items()}
     for g in grads_seq:

@@ -36,8 +36,13 @@ def worker() -> None:
     optimizer, _ = make_optimizer(cfg, total_steps=10)
     rng = np.random.default_rng(0)
     # [accumulation 2, sequences 4, length 32]; about a fifth of the labels masked out.
-    batches = [{"tokens": rng.integers(0, 257, (2, 4, 32), dtype=np.int32),
-                "loss_mask": (rng.random((2, 4, 32)) > 0.2).astype(np.int32)} for _ in range(STEPS)]
+    batches = [
+        {
+            "tokens": rng.integers(0, 257, (2, 4, 32), dtype=np.int32),
+            "loss_mask": (rng.random((2, 4, 32)) > 0.2).astype(np.int32),
+        }
+        for _ in range(STEPS)
+    ]
     out = {}
     for name, shape in MESHES.items():
         devices = jax.devices()[: int(np.prod(shape))]
@@ -56,8 +61,10 @@ def worker() -> None:
         kernel = state["params"]["mlp"]["up_proj"]["kernel"]
         out[name] = {
             "losses": losses,
-            "params": {jax.tree_util.keystr(k): np.asarray(v).tolist()
-                       for k, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]},
+            "params": {
+                jax.tree_util.keystr(k): np.asarray(v).tolist()
+                for k, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]
+            },
             "embed_shard_rows": embed.addressable_shards[0].data.shape[0],
             "draft_kernel_shard": list(kernel.addressable_shards[0].data.shape),
             "draft_kernel_spec": str(kernel.sharding.spec),
@@ -67,8 +74,12 @@ def worker() -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "PYTHONPATH": str(REPO),
+    }
     proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,8 +89,13 @@ def test_arrays_are_really_partitioned(results):
     vocab = 320
     assert results["single"]["embed_shard_rows"] == vocab
     assert results["data2_fsdp2"]["embed_shard_rows"] == vocab // 2  # the target is split over fsdp
-    assert "fsdp" in results["fsdp2_tensor2"]["draft_kernel_spec"] and "tensor" in results["fsdp2_tensor2"]["draft_kernel_spec"]
-    assert np.prod(results["fsdp2_tensor2"]["draft_kernel_shard"]) * 4 == np.prod(results["single"]["draft_kernel_shard"])
+    assert (
+        "fsdp" in results["fsdp2_tensor2"]["draft_kernel_spec"]
+        and "tensor" in results["fsdp2_tensor2"]["draft_kernel_spec"]
+    )
+    assert np.prod(results["fsdp2_tensor2"]["draft_kernel_shard"]) * 4 == np.prod(
+        results["single"]["draft_kernel_shard"]
+    )
 
 
 @pytest.mark.parametrize("mesh", ["data2_fsdp2", "fsdp2_tensor2"])
@@ -89,8 +105,9 @@ def test_sharded_steps_equal_the_single_device_steps(results, mesh):
     assert single["losses"][0] != single["losses"][-1]  # the steps did update the draft
     assert sharded["params"].keys() == single["params"].keys()
     for name, value in single["params"].items():
-        np.testing.assert_allclose(np.asarray(sharded["params"][name]), np.asarray(value), rtol=1e-4, atol=2e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(sharded["params"][name]), np.asarray(value), rtol=1e-4, atol=2e-6, err_msg=name
+        )
 
 
 if __name__ == "__main__":

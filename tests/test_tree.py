@@ -38,7 +38,9 @@ def brute_force_beam(widths, root_lp, level_lps):
     frontier = [0]
     lps = [root_lp[None]] + list(level_lps)
     for d, w in enumerate(widths):
-        cands = [(scores[node] + lps[d][i, t], node, t) for i, node in enumerate(frontier) for t in range(lps[d].shape[-1])]
+        cands = [
+            (scores[node] + lps[d][i, t], node, t) for i, node in enumerate(frontier) for t in range(lps[d].shape[-1])
+        ]
         cands.sort(key=lambda c: -c[0])
         frontier = []
         for score, node, t in cands[:w]:
@@ -59,7 +61,9 @@ def test_beam_levels_match_brute_force(widths, vocab):
     ]
     root_tokens = jnp.array([5, 1]) % vocab
     root_positions = jnp.array([11, 3])
-    tree, blocks = jax.jit(build, static_argnums=0)(widths, root_tokens, [jnp.asarray(x, jnp.float32) for x in level_lps], root_positions)
+    tree, blocks = jax.jit(build, static_argnums=0)(
+        widths, root_tokens, [jnp.asarray(x, jnp.float32) for x in level_lps], root_positions
+    )
 
     depths = node_depths(widths)
     for b in range(batch):
@@ -87,7 +91,9 @@ def test_beam_levels_match_brute_force(widths, vocab):
     for depth, (blk_tokens, blk_positions, blk_mask) in enumerate(blocks, start=1):
         start, end = level_slice(widths, depth)
         np.testing.assert_array_equal(blk_tokens, tree.tokens[:, start:end])
-        np.testing.assert_array_equal(blk_positions, np.asarray(root_positions)[:, None] + depth + np.zeros((1, end - start), int))
+        np.testing.assert_array_equal(
+            blk_positions, np.asarray(root_positions)[:, None] + depth + np.zeros((1, end - start), int)
+        )
         np.testing.assert_array_equal(blk_mask, tree.mask[:, start:end, :end])
         assert blk_mask.shape == (batch, end - start, end)
 

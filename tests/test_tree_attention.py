@@ -49,8 +49,9 @@ def test_interpreter_poisons_unwritten_outputs():
     def writes_nothing(x_ref, o_ref):
         del x_ref, o_ref
 
-    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
-                         interpret=True)(jnp.zeros((16, 16), jnp.float32))
+    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32), interpret=True)(
+        jnp.zeros((16, 16), jnp.float32)
+    )
     assert np.isnan(np.asarray(out)).all()
 
 
@@ -84,8 +85,9 @@ def test_masked_attention_small_blocks_and_scale():
     rng = np.random.default_rng(7)
     q, k, v = random_qkv(rng, 2, 9, 4, 2, 37, 64)
     mask = arbitrary_mask(rng, 2, 9, 37)
-    o, lse = masked_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
-                              scale=0.3, block_rows=16, block_keys=16)
+    o, lse = masked_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), scale=0.3, block_rows=16, block_keys=16
+    )
     assert_matches_reference(o, lse, q, k, v, mask, scale=0.3)
 
 
@@ -109,5 +111,6 @@ def test_masked_attention_rejects_bad_shapes():
     with pytest.raises(UserError, match="mask must be"):
         masked_attention(q[:, :, :4], k, k, jnp.ones((1, 4, 5), bool))
     with pytest.raises(UserError, match="head dim"):
-        masked_attention(jnp.zeros((1, 4, 4, 96)), jnp.zeros((1, 4, 4, 96)), jnp.zeros((1, 4, 4, 96)),
-                         jnp.ones((1, 4, 4), bool))
+        masked_attention(
+            jnp.zeros((1, 4, 4, 96)), jnp.zeros((1, 4, 4, 96)), jnp.zeros((1, 4, 4, 96)), jnp.ones((1, 4, 4), bool)
+        )

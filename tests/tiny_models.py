@@ -31,8 +31,12 @@ HF_VARIANTS = {
         "llama",
         dict(
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
             }
         ),
     ),
@@ -75,7 +79,7 @@ def save_tiny_hf_model(
     return directory
 
 
-def hf_logits(directory: str | Path, tokens) -> "numpy.ndarray":  # noqa: F821
+def hf_logits(directory: str | Path, tokens) -> numpy.ndarray:  # noqa: F821
     """float32 logits [B, L, V] of the saved HF model at `directory` for token ids [B, L] (torch CPU)."""
     import torch
     import transformers

@@ -61,9 +61,14 @@ def step_flops(model: ModelConfig, *, batch: int, seq_len: int, window: int = 51
     causal_attention = 2 * seq_len * qd  # QK^T and PV over on average L/2 keys
     target_layer = 2 * (h * (qd + 2 * kvd) + qd * h + 3 * h * f) + causal_attention
     target = (model.num_layers - 1) * target_layer + 2 * h * 2 * kvd
-    draft_forward = (2 * (h * (qd + 2 * kvd) + qd * h) + 4 * min(window, seq_len) * qd  # windowed self-attention
-                     + 2 * (2 * h * qd) + causal_attention  # cross-attention
-                     + 2 * 3 * h * f + 2 * h * v)  # MLP and the LM head
+    draft_forward = (
+        2 * (h * (qd + 2 * kvd) + qd * h)
+        + 4 * min(window, seq_len) * qd  # windowed self-attention
+        + 2 * (2 * h * qd)
+        + causal_attention  # cross-attention
+        + 2 * 3 * h * f
+        + 2 * h * v
+    )  # MLP and the LM head
     return batch * seq_len * (target + 3 * draft_forward)  # the draft's backward is twice its forward
 
 
@@ -106,17 +111,26 @@ def measure(model: ModelConfig, case: Case, *, steps: int, dtype: str, max_offse
     t0 = time.perf_counter()
     mesh = sharding.make_mesh((1, -1, 1), jax.devices()[: case.devices])
     target_graphdef, target_params = _random_module_state(
-        lambda: Transformer(model, dtype=dtype, rngs=nnx.Rngs(0)), mesh)
+        lambda: Transformer(model, dtype=dtype, rngs=nnx.Rngs(0)), mesh
+    )
     draft_graphdef, draft_params = _random_module_state(lambda: DraftBlock(model, rngs=nnx.Rngs(1)), mesh)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(1e-4, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.1))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-4, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.1)
+    )
     state = init_state(nnx.to_pure_dict(draft_params), optimizer, mesh)
     jax.block_until_ready((target_params, state))
     build_s = time.perf_counter() - t0
     _progress(f"seq {case.seq_len}, {case.devices} device(s): target + draft built in {build_s:.1f} s")
 
-    sc = StepConfig(gamma=5, anchor_offset=case.seq_len <= max_offset, num_anchors=4, max_offset=max_offset,
-                    compute_dtype=dtype, attn_impl=_attn_impl(), loss_chunk_tokens=1024)
+    sc = StepConfig(
+        gamma=5,
+        anchor_offset=case.seq_len <= max_offset,
+        num_anchors=4,
+        max_offset=max_offset,
+        compute_dtype=dtype,
+        attn_impl=_attn_impl(),
+        loss_chunk_tokens=1024,
+    )
     rows = case.micro_batch * case.devices
     rng = np.random.default_rng(0)
 
@@ -125,8 +139,11 @@ def measure(model: ModelConfig, case: Case, *, steps: int, dtype: str, max_offse
         return jax.block_until_ready(sharding.global_batch({"tokens": tokens, "loss_mask": np.ones_like(tokens)}, mesh))
 
     t0 = time.perf_counter()
-    step_fn = compile_step(target_graphdef, draft_graphdef, optimizer, sc, mesh, target_params, state).lower(
-        target_params, state, fresh_batch(), jax.random.key(0)).compile()
+    step_fn = (
+        compile_step(target_graphdef, draft_graphdef, optimizer, sc, mesh, target_params, state)
+        .lower(target_params, state, fresh_batch(), jax.random.key(0))
+        .compile()
+    )
     compile_s = time.perf_counter() - t0
     _progress(f"step compiled in {compile_s:.1f} s")
 
@@ -142,11 +159,23 @@ def measure(model: ModelConfig, case: Case, *, steps: int, dtype: str, max_offse
     tokens = rows * case.seq_len
     flops = step_flops(model, batch=rows, seq_len=case.seq_len)
     peak = [d.memory_stats().get("peak_bytes_in_use") for d in mesh.devices.flat if d.memory_stats()]
-    return {"seq_len": case.seq_len, "devices": case.devices, "micro_batch": case.micro_batch,
-            "device_kind": mesh.devices.flat[0].device_kind, "jax": jax.__version__, "dtype": dtype, "steps": steps,
-            "step_s": seconds, "tokens_per_s": tokens / seconds, "tflops_per_device": flops / seconds / case.devices / 1e12,
-            "peak_gb": max(peak) / 1e9 if peak else None, "loss": float(metrics["loss"]),
-            "build_s": build_s, "compile_s": compile_s, "warmup_step_s": times[0]}
+    return {
+        "seq_len": case.seq_len,
+        "devices": case.devices,
+        "micro_batch": case.micro_batch,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "jax": jax.__version__,
+        "dtype": dtype,
+        "steps": steps,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops_per_device": flops / seconds / case.devices / 1e12,
+        "peak_gb": max(peak) / 1e9 if peak else None,
+        "loss": float(metrics["loss"]),
+        "build_s": build_s,
+        "compile_s": compile_s,
+        "warmup_step_s": times[0],
+    }
 
 
 def _attn_impl() -> str:
@@ -169,8 +198,15 @@ def _run_isolated(case: Case, args) -> dict:
     """One case in a fresh process under args.case_timeout, so its peak memory is its own. The
     parent never initialises the GPU itself: JAX would preallocate most of its memory and starve
     the child."""
-    cmd = [sys.executable, "-m", "train.bench_train", "--one", f"{case.seq_len},{case.devices},{case.micro_batch}",
-           "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train.bench_train",
+        "--one",
+        f"{case.seq_len},{case.devices},{case.micro_batch}",
+        "--steps",
+        str(args.steps),
+    ]
     start = time.perf_counter()
     status, stdout, stderr = run_with_limit(cmd, args.case_timeout)
     failed = {"seq_len": case.seq_len, "devices": case.devices, "micro_batch": case.micro_batch}
@@ -184,8 +220,10 @@ def _run_isolated(case: Case, args) -> dict:
 
 
 def table(results: list[dict], peak_tflops: float) -> str:
-    lines = ["| seq | GPUs | seqs/step | step ms | tokens/s | TFLOP/s/GPU | MFU | peak GB | scaling | build s | compile s |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| seq | GPUs | seqs/step | step ms | tokens/s | TFLOP/s/GPU | MFU | peak GB | scaling | build s | compile s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     single = {r["seq_len"]: r for r in results if r.get("devices") == 1 and "error" not in r}
     for r in results:
         if "error" in r:
@@ -194,9 +232,11 @@ def table(results: list[dict], peak_tflops: float) -> str:
         base = single.get(r["seq_len"])
         scaling = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["devices"] > 1 else "-"
         peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.1f}"
-        lines.append(f"| {r['seq_len']} | {r['devices']} | {r['micro_batch'] * r['devices']} | {r['step_s'] * 1e3:.1f} "
-                     f"| {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.1f} | "
-                     f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} | {r['compile_s']:.0f} |")
+        lines.append(
+            f"| {r['seq_len']} | {r['devices']} | {r['micro_batch'] * r['devices']} | {r['step_s'] * 1e3:.1f} "
+            f"| {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.1f} | "
+            f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} | {r['compile_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -204,7 +244,9 @@ def print_report(results: list[dict], peak_tflops: float) -> None:
     """The header line and the table, sorted by sequence length then GPU count."""
     results = sorted(results, key=lambda r: (r["seq_len"], r["devices"]))
     done = [r for r in results if "error" not in r]
-    described = sorted({f"jax {r['jax']}, {r['device_kind']}, {r['dtype']}, median of {r['steps']} steps" for r in done})
+    described = sorted(
+        {f"jax {r['jax']}, {r['device_kind']}, {r['dtype']}, median of {r['steps']} steps" for r in done}
+    )
     print(f"# {'; '.join(described) or 'no case finished'}: random target + draft")
     print(table(results, peak_tflops))
 
@@ -215,8 +257,10 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 def check_out_path(path: str) -> Path:
     name = Path(path).name
     if not SAFE_NAME.fullmatch(name):
-        raise UserError(f"--out {path!r}: use a file name of letters, digits, '.', '_' and '-' only "
-                        "(the GPU machine's file transfer drops other characters), e.g. train_1024.jsonl")
+        raise UserError(
+            f"--out {path!r}: use a file name of letters, digits, '.', '_' and '-' only "
+            "(the GPU machine's file transfer drops other characters), e.g. train_1024.jsonl"
+        )
     return Path(path)
 
 
@@ -243,7 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny shapes on CPU, all cases in this process")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (after one warm-up step)")
     p.add_argument("--seqs", default="1024,16384", help="sequence lengths (comma-separated)")
-    p.add_argument("--devices", default="1,2", help="GPU counts (comma-separated); counts above the available are skipped")
+    p.add_argument(
+        "--devices", default="1,2", help="GPU counts (comma-separated); counts above the available are skipped"
+    )
     p.add_argument("--case-timeout", type=float, default=240.0, help="seconds one case (its own process) may take")
     p.add_argument("--out", help="also append each case's JSON line to this file (for --merge)")
     p.add_argument("--merge", nargs="+", metavar="FILE", help="only print the table of the case lines in these files")
@@ -266,7 +312,11 @@ def main(argv=None) -> int:
         if devices > jax.device_count():
             print(json.dumps({"skipped": f"{devices} devices asked, {jax.device_count()} present"}))
         else:
-            print(json.dumps(measure(model, Case(seq, devices, micro), steps=args.steps, dtype=dtype, max_offset=max_offset)))
+            print(
+                json.dumps(
+                    measure(model, Case(seq, devices, micro), steps=args.steps, dtype=dtype, max_offset=max_offset)
+                )
+            )
         return 0
     seqs = [32] if args.small else [int(x) for x in args.seqs.split(",")]
     counts = [int(x) for x in args.devices.split(",")]

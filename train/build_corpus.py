@@ -30,8 +30,8 @@ import json
 import random
 import sys
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from longspec_jax.errors import UserError
 
@@ -78,7 +78,7 @@ class Document:
 
 
 def split_of(key: str, eval_percent: int) -> str:
-    """"eval" or "train" for a document key "<source>/<relative path>" (the held-out rule)."""
+    """ "eval" or "train" for a document key "<source>/<relative path>" (the held-out rule)."""
     bucket = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") % 100
     return "eval" if bucket < eval_percent else "train"
 
@@ -115,7 +115,9 @@ def read_documents(source: Source, skipped: list[str] | None = None) -> Iterator
         yield Document(source.name, source.license, source.kind, relative, text)
 
 
-def split_documents(sources: Iterable[Source], skipped: list[str] | None = None) -> tuple[list[Document], list[Document]]:
+def split_documents(
+    sources: Iterable[Source], skipped: list[str] | None = None
+) -> tuple[list[Document], list[Document]]:
     """(train, eval) documents of all sources, each list in sorted key order; training copies of
     held-out texts are removed."""
     train, held_out = [], []
@@ -164,8 +166,9 @@ def _summary(docs: list[Document]) -> dict:
     return {"documents": len(docs), "mb": round(sum(e["mb"] for e in by_source.values()), 3), "by_source": by_source}
 
 
-def build_corpus(out: str | Path, sources: list[Source], *, max_mb: float | None = None, seed: int = SEED,
-                 shard_mb: float = SHARD_MB) -> dict:
+def build_corpus(
+    out: str | Path, sources: list[Source], *, max_mb: float | None = None, seed: int = SEED, shard_mb: float = SHARD_MB
+) -> dict:
     """Write the train / eval shards and the manifest under `out`; returns the manifest."""
     if not sources:
         raise UserError("no corpus sources: pass --stdlib-dir (and --docs-dir) pointing at local files")
@@ -188,11 +191,21 @@ def build_corpus(out: str | Path, sources: list[Source], *, max_mb: float | None
     eval_files = write_shards(held_out, out / "eval", "eval", shard_bytes)
     manifest = {
         "split_rule": "eval if int.from_bytes(sha256('<source>/<path>')[:8], 'big') % 100 < eval_percent; "
-                      "train copies of eval texts dropped",
+        "train copies of eval texts dropped",
         "seed": seed,
         "max_mb": max_mb,
-        "sources": [{"name": s.name, "root": str(s.root), "pattern": s.pattern, "license": s.license,
-                     "kind": s.kind, "eval_percent": s.eval_percent, "exclude": list(s.exclude)} for s in sources],
+        "sources": [
+            {
+                "name": s.name,
+                "root": str(s.root),
+                "pattern": s.pattern,
+                "license": s.license,
+                "kind": s.kind,
+                "eval_percent": s.eval_percent,
+                "exclude": list(s.exclude),
+            }
+            for s in sources
+        ],
         "python_version": sys.version.split()[0],
         "train": {**_summary(train), "files": [p.relative_to(out).as_posix() for p in train_files]},
         "eval": {**_summary(held_out), "files": [p.relative_to(out).as_posix() for p in eval_files]},
@@ -211,13 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=SEED)
     args = p.parse_args(argv)
     try:
-        manifest = build_corpus(args.out, default_sources(args.stdlib_dir, args.docs_dir), max_mb=args.max_mb, seed=args.seed)
+        manifest = build_corpus(
+            args.out, default_sources(args.stdlib_dir, args.docs_dir), max_mb=args.max_mb, seed=args.seed
+        )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for split in ("train", "eval"):
-        print(f"{split}: {manifest[split]['documents']} documents, {manifest[split]['mb']:.1f} MB, "
-              f"{len(manifest[split]['files'])} shard(s) in {args.out / split}")
+        print(
+            f"{split}: {manifest[split]['documents']} documents, {manifest[split]['mb']:.1f} MB, "
+            f"{len(manifest[split]['files'])} shard(s) in {args.out / split}"
+        )
     return 0
 
 

@@ -81,13 +81,20 @@ class TrainConfig:
     def current(self) -> Stage:
         return self.stages[self.stage - 1]
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         if not 1 <= self.stage <= len(self.stages):
-            raise UserError(f"--stage {self.stage} does not exist: config {self.name!r} has stages 1..{len(self.stages)}")
+            raise UserError(
+                f"--stage {self.stage} does not exist: config {self.name!r} has stages 1..{len(self.stages)}"
+            )
         s = self.current
-        counts = {"seq_len": s.seq_len, "batch_size": s.batch_size, "micro_batch_size": s.micro_batch_size,
-                  "checkpoint_every": self.checkpoint_every, "keep_checkpoints": self.keep_checkpoints,
-                  "log_every": self.log_every}
+        counts = {
+            "seq_len": s.seq_len,
+            "batch_size": s.batch_size,
+            "micro_batch_size": s.micro_batch_size,
+            "checkpoint_every": self.checkpoint_every,
+            "keep_checkpoints": self.keep_checkpoints,
+            "log_every": self.log_every,
+        }
         for key, value in counts.items():
             if value < 1:
                 raise UserError(f"{key}={value} must be at least 1")

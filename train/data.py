@@ -24,8 +24,15 @@ import numpy as np
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 
-FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet",
-           ".txt": "text", ".md": "text", ".rst": "text", ".py": "text"}
+FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".md": "text",
+    ".rst": "text",
+    ".py": "text",
+}
 
 
 def data_format(path: Path) -> str | None:
@@ -99,7 +106,9 @@ def find_files(paths: tuple[str, ...] | list[str]) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
-            raise UserError(f"data path {p} does not exist: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)")
+            raise UserError(
+                f"data path {p} does not exist: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)"
+            )
         if p.is_dir():
             files += sorted(f for f in p.rglob("*") if f.is_file() and data_format(f))
         elif data_format(p):
@@ -111,8 +120,16 @@ def find_files(paths: tuple[str, ...] | list[str]) -> list[Path]:
     return files
 
 
-def load_corpus(paths, encoder: TextEncoder, model: ModelConfig, *, text_field="text", prompt_field="prompt",
-                response_field="response", cache_dir: str | None = None) -> Corpus:
+def load_corpus(
+    paths,
+    encoder: TextEncoder,
+    model: ModelConfig,
+    *,
+    text_field="text",
+    prompt_field="prompt",
+    response_field="response",
+    cache_dir: str | None = None,
+) -> Corpus:
     """Load local files with `datasets` (never a hub) and tokenise them (cached by `datasets`)."""
     import datasets
 
@@ -137,8 +154,14 @@ def load_corpus(paths, encoder: TextEncoder, model: ModelConfig, *, text_field="
                 f"{chosen[0]}: records need a {text_field!r} field or {prompt_field!r} + {response_field!r} "
                 f"fields (found {sorted(columns)}); set text_field/prompt_field/response_field with --set"
             )
-        parts.append(raw.map(_Tokenise(encoder, eos, *fields), batched=True, remove_columns=raw.column_names,
-                             desc=f"tokenising {fmt}"))
+        parts.append(
+            raw.map(
+                _Tokenise(encoder, eos, *fields),
+                batched=True,
+                remove_columns=raw.column_names,
+                desc=f"tokenising {fmt}",
+            )
+        )
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     records = records.filter(lambda n: n > 0, input_columns="length")
     num_tokens = int(np.sum(records["length"])) if len(records) else 0
@@ -171,8 +194,9 @@ class _Tokenise:
         return out
 
 
-def batch_iterator(corpus: Corpus, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                   process_count: int = 1):
+def batch_iterator(
+    corpus: Corpus, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+):
     """An endless grain iterator of {"tokens": int32[batch_size, seq_len], "loss_mask": int32[...]}
     for this process (its share of the records). Has get_state() / set_state()."""
     import grain

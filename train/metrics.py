@@ -42,8 +42,9 @@ class RunLog:
             if key != "step":
                 self._tb.add_scalar(f"train/{key}", value, step)
         self._bar.update(steps_done)
-        self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                              lr=f"{record['lr']:.2e}")
+        self._bar.set_postfix(
+            loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}"
+        )
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -16,13 +16,21 @@ from train.config import TrainConfig, apply_overrides, load_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.run", description="Train a LongSpec draft for a target model.")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.run", description="Train a LongSpec draft for a target model."
+    )
     parser.add_argument("--config", required=True, help="a name in train/configs (vicuna7b, tiny, ...) or a path")
     parser.add_argument("--stage", type=int, help="which training stage of the config to run (1-based)")
     parser.add_argument("--target", help="target checkpoint: an HF directory or a .gguf file")
     parser.add_argument("--data", action="append", help="training data file or directory (repeatable)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config or stage field, e.g. --set lr=1e-4 --set mesh=1,8,1")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config or stage field, e.g. --set lr=1e-4 --set mesh=1,8,1",
+    )
     return parser.parse_args(argv)
 
 

@@ -17,7 +17,8 @@ import os
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from longspec_jax.errors import UserError
 
@@ -34,8 +35,9 @@ def maybe_initialize_distributed() -> None:
         try:
             num_processes, process_id = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])
         except (KeyError, ValueError):
-            raise UserError("JAX_COORDINATOR_ADDRESS is set: also set JAX_NUM_PROCESSES and JAX_PROCESS_ID "
-                            "(integers) on every host") from None
+            raise UserError(
+                "JAX_COORDINATOR_ADDRESS is set: also set JAX_NUM_PROCESSES and JAX_PROCESS_ID (integers) on every host"
+            ) from None
         jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], num_processes, process_id)
     elif any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
         jax.distributed.initialize()
@@ -47,11 +49,15 @@ def resolve_mesh_shape(mesh: tuple[int, int, int], num_devices: int) -> tuple[in
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if num_devices % known:
-            raise UserError(f"mesh {tuple(mesh)} does not divide {num_devices} devices: set --set mesh=data,fsdp,tensor")
+            raise UserError(
+                f"mesh {tuple(mesh)} does not divide {num_devices} devices: set --set mesh=data,fsdp,tensor"
+            )
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise UserError(f"mesh {tuple(sizes)} needs {math.prod(sizes)} devices, {num_devices} available: "
-                        "set --set mesh=data,fsdp,tensor")
+        raise UserError(
+            f"mesh {tuple(sizes)} needs {math.prod(sizes)} devices, {num_devices} available: "
+            "set --set mesh=data,fsdp,tensor"
+        )
     return tuple(sizes)
 
 
@@ -83,8 +89,7 @@ def spec_for_shape(shape: tuple[int, ...], fsdp: int, tensor: int, min_elements:
 def param_shardings(tree, mesh: Mesh, min_elements: int = REPLICATE_BELOW):
     """NamedShardings for a pytree of arrays / ShapeDtypeStructs, by `spec_for_shape`."""
     fsdp, tensor = mesh.shape["fsdp"], mesh.shape["tensor"]
-    return jax.tree.map(
-        lambda x: NamedSharding(mesh, spec_for_shape(tuple(x.shape), fsdp, tensor, min_elements)), tree)
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec_for_shape(tuple(x.shape), fsdp, tensor, min_elements)), tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -129,9 +134,11 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gb = 1e9
-        return (f"per device: target {self.target_weights / gb:.2f} GB + draft state {self.draft_state / gb:.2f} GB"
-                f" + gathered layer weights {self.gathered_weights / gb:.2f} GB + activations"
-                f" {self.activations / gb:.2f} GB = {self.total / gb:.2f} GB of {self.capacity / gb:.1f} GB")
+        return (
+            f"per device: target {self.target_weights / gb:.2f} GB + draft state {self.draft_state / gb:.2f} GB"
+            f" + gathered layer weights {self.gathered_weights / gb:.2f} GB + activations"
+            f" {self.activations / gb:.2f} GB = {self.total / gb:.2f} GB of {self.capacity / gb:.1f} GB"
+        )
 
 
 def _sharded_bytes(tree, fsdp: int, tensor: int, bytes_per_element: float | None = None) -> float:
@@ -144,8 +151,19 @@ def _sharded_bytes(tree, fsdp: int, tensor: int, bytes_per_element: float | None
     return total
 
 
-def memory_plan(model, target_shapes, draft_shapes, *, mesh_shape, seq_len: int, micro_batch_size: int,
-                compute_bytes: int, loss_chunk_tokens: int, window: int, capacity_bytes: float) -> MemoryPlan:
+def memory_plan(
+    model,
+    target_shapes,
+    draft_shapes,
+    *,
+    mesh_shape,
+    seq_len: int,
+    micro_batch_size: int,
+    compute_bytes: int,
+    loss_chunk_tokens: int,
+    window: int,
+    capacity_bytes: float,
+) -> MemoryPlan:
     """Peak memory per device, from parameter shapes (eval_shape) and the step's activation sizes.
 
     Assumes a flash attention for the target and the draft's cross-attention (no [L, L] scores),
@@ -193,10 +211,16 @@ def config_memory_plan(cfg) -> MemoryPlan:
     stage = cfg.current
     target_shapes, draft_shapes = parameter_shapes(cfg.model, cfg.compute_dtype)
     return memory_plan(
-        cfg.model, target_shapes, draft_shapes, mesh_shape=resolve_mesh_shape(cfg.mesh, cfg.num_gpus),
-        seq_len=stage.seq_len, micro_batch_size=stage.micro_batch_size,
-        compute_bytes=np.dtype(cfg.compute_dtype).itemsize, loss_chunk_tokens=cfg.loss_chunk_tokens,
-        window=DraftConfig().window, capacity_bytes=cfg.gpu_memory_gb * 1e9,
+        cfg.model,
+        target_shapes,
+        draft_shapes,
+        mesh_shape=resolve_mesh_shape(cfg.mesh, cfg.num_gpus),
+        seq_len=stage.seq_len,
+        micro_batch_size=stage.micro_batch_size,
+        compute_bytes=np.dtype(cfg.compute_dtype).itemsize,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+        window=DraftConfig().window,
+        capacity_bytes=cfg.gpu_memory_gb * 1e9,
     )
 
 

@@ -43,9 +43,15 @@ class StepConfig:
 
 def step_config(cfg) -> StepConfig:
     s = cfg.current
-    return StepConfig(gamma=cfg.gamma, anchor_offset=s.anchor_offset, num_anchors=cfg.num_anchors,
-                      max_offset=s.max_offset, compute_dtype=cfg.compute_dtype,
-                      attn_impl=cfg.attn_impl or attention.default_impl(), loss_chunk_tokens=cfg.loss_chunk_tokens)
+    return StepConfig(
+        gamma=cfg.gamma,
+        anchor_offset=s.anchor_offset,
+        num_anchors=cfg.num_anchors,
+        max_offset=s.max_offset,
+        compute_dtype=cfg.compute_dtype,
+        attn_impl=cfg.attn_impl or attention.default_impl(),
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+    )
 
 
 def _positions(key, batch: int, seq_len: int, sc: StepConfig) -> jax.Array:
@@ -58,8 +64,16 @@ def _cast_floats(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def train_step(target_graphdef, draft_graphdef, optimizer: optax.GradientTransformation, sc: StepConfig,
-               target_params, state: dict[str, Any], batch: dict[str, jax.Array], key: jax.Array):
+def train_step(
+    target_graphdef,
+    draft_graphdef,
+    optimizer: optax.GradientTransformation,
+    sc: StepConfig,
+    target_params,
+    state: dict[str, Any],
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+):
     """state = {"params": float32 draft params, "opt": optimiser state};
     batch = {"tokens", "loss_mask"}: int32[A, B, L] (A micro-batches). Returns (state, metrics)."""
     target_model = nnx.merge(target_graphdef, target_params)
@@ -70,8 +84,18 @@ def train_step(target_graphdef, draft_graphdef, optimizer: optax.GradientTransfo
 
     def micro_loss(p, tokens, mask, positions, target_k, target_v):
         block = nnx.merge(draft_graphdef, _cast_floats(p, compute))
-        return draft_loss(block, target_model, tokens, positions, mask, target_k, target_v, lag,
-                          attn_impl=sc.attn_impl, chunk_tokens=sc.loss_chunk_tokens)
+        return draft_loss(
+            block,
+            target_model,
+            tokens,
+            positions,
+            mask,
+            target_k,
+            target_v,
+            lag,
+            attn_impl=sc.attn_impl,
+            chunk_tokens=sc.loss_chunk_tokens,
+        )
 
     def micro(carry, xs):
         grad_sum, loss_sum, hit_sum, label_sum = carry
@@ -81,7 +105,8 @@ def train_step(target_graphdef, draft_graphdef, optimizer: optax.GradientTransfo
         target_k, target_v = target_model.last_layer_kv(tokens, positions, attn_impl=sc.attn_impl)
         target_k, target_v = jax.lax.stop_gradient((target_k, target_v))
         (loss, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(
-            params, tokens, mask, positions, target_k, target_v)
+            params, tokens, mask, positions, target_k, target_v
+        )
         labels = metrics["tokens"].astype(jnp.float32)
         grad_sum = jax.tree.map(lambda a, g: a + g * labels, grad_sum, grads)
         return (grad_sum, loss_sum + loss * labels, hit_sum + metrics["accuracy"] * labels, label_sum + labels), None
@@ -91,13 +116,19 @@ def train_step(target_graphdef, draft_graphdef, optimizer: optax.GradientTransfo
     zeros = jax.tree.map(jnp.zeros_like, params)
     zero = jnp.zeros((), jnp.float32)
     (grad_sum, loss_sum, hit_sum, label_sum), _ = jax.lax.scan(
-        micro, (zeros, zero, zero, zero), (tokens, mask, micro_keys))
+        micro, (zeros, zero, zero, zero), (tokens, mask, micro_keys)
+    )
     denom = jnp.maximum(label_sum, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grad_sum)
     updates, opt_state = optimizer.update(grads, state["opt"], params)
     new_params = optax.apply_updates(params, updates)
-    metrics = {"loss": loss_sum / denom, "accuracy": hit_sum / denom, "grad_norm": optax.tree.norm(grads),
-               "labels": label_sum, "lag": lag}
+    metrics = {
+        "loss": loss_sum / denom,
+        "accuracy": hit_sum / denom,
+        "grad_norm": optax.tree.norm(grads),
+        "labels": label_sum,
+        "lag": lag,
+    }
     return {"params": new_params, "opt": opt_state}, metrics
 
 
@@ -108,8 +139,9 @@ def compile_step(target_graphdef, draft_graphdef, optimizer, sc: StepConfig, mes
     batch_sh = {"tokens": sharding.batch_sharding(mesh), "loss_mask": sharding.batch_sharding(mesh)}
     rep = sharding.replicated(mesh)
     fn = functools.partial(train_step, target_graphdef, draft_graphdef, optimizer, sc)
-    return jax.jit(fn, in_shardings=(target_sh, state_sh, batch_sh, rep), out_shardings=(state_sh, rep),
-                   donate_argnums=(1,))
+    return jax.jit(
+        fn, in_shardings=(target_sh, state_sh, batch_sh, rep), out_shardings=(state_sh, rep), donate_argnums=(1,)
+    )
 
 
 def init_state(draft_params, optimizer, mesh, min_elements: int = sharding.REPLICATE_BELOW) -> dict[str, Any]:

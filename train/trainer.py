@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -112,8 +112,14 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
     state = init_state(jax.device_get(nnx.to_pure_dict(draft_params)), optimizer, mesh)
     step_fn = compile_step(target_graphdef, draft_graphdef, optimizer, step_config(cfg), mesh, target_params, state)
 
-    data = batch_iterator(corpus, seq_len=stage.seq_len, batch_size=rows_per_process, seed=cfg.seed,
-                          process_index=jax.process_index(), process_count=jax.process_count())
+    data = batch_iterator(
+        corpus,
+        seq_len=stage.seq_len,
+        batch_size=rows_per_process,
+        seed=cfg.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
     store = CheckpointStore(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     step = 0
     if store.latest_step() is not None:
@@ -126,8 +132,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
     base_key = jax.random.key(cfg.seed)
     log = RunLog(run_dir, start_step=step, total_steps=total_steps, enabled=jax.process_index() == 0)
     if cfg.target != RANDOM_TARGET and _shape_fields(target.config) != _shape_fields(cfg.model):
-        log.message(f"note: the target's shapes differ from config {cfg.name!r}'s `model` (used only for memory "
-                    "plans); training uses the target's own")
+        log.message(
+            f"note: the target's shapes differ from config {cfg.name!r}'s `model` (used only for memory "
+            "plans); training uses the target's own"
+        )
     if step:
         log.message(f"resumed from {store.directory}/{step}")
     losses: list[float] = []
@@ -138,7 +146,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
             while step < total_steps and not interrupt.requested and not out_of_time:
                 local = next(data)
                 batch = sharding.global_batch(
-                    {k: v.reshape(accum, rows_per_process // accum, stage.seq_len) for k, v in local.items()}, mesh)
+                    {k: v.reshape(accum, rows_per_process // accum, stage.seq_len) for k, v in local.items()}, mesh
+                )
                 state, metrics = step_fn(target_params, state, batch, jax.random.fold_in(base_key, step))
                 step += 1
                 metrics = {k: float(v) for k, v in metrics.items()}
@@ -147,7 +156,8 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
                     raise TrainingStopped(
                         f"loss is {metrics['loss']} at step {step}: stopped. The last good checkpoint "
                         f"({'none yet' if kept is None else f'step {kept}'}) is kept in {store.directory}; "
-                        "lower the learning rate (--set lr=...) and run again to resume from it")
+                        "lower the learning rate (--set lr=...) and run again to resume from it"
+                    )
                 losses.append(metrics["loss"])
                 log.count_tokens(stage.batch_size * stage.seq_len)
                 out_of_time = _agreed(time.monotonic() >= deadline)
@@ -164,14 +174,22 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
                 log.message(f"interrupted: saved step {step} in {store.directory}; run the same command to resume")
                 return TrainResult(run_dir, start_step, step, losses, draft_path=None, interrupted=True)
             if out_of_time and step < total_steps:
-                log.message(f"time limit ({cfg.time_limit_s:g} s) reached at step {step} of {total_steps}: saved "
-                            f"in {store.directory} and exported; run the same command to continue")
+                log.message(
+                    f"time limit ({cfg.time_limit_s:g} s) reached at step {step} of {total_steps}: saved "
+                    f"in {store.directory} and exported; run the same command to continue"
+                )
         finally:
             log.close()
             store.close()
     draft_path = _export(draft_graphdef, state["params"], cfg, run_dir / "draft")
-    return TrainResult(run_dir=run_dir, start_step=start_step, step=step, losses=losses, draft_path=draft_path,
-                       out_of_time=out_of_time and step < total_steps)
+    return TrainResult(
+        run_dir=run_dir,
+        start_step=start_step,
+        step=step,
+        losses=losses,
+        draft_path=draft_path,
+        out_of_time=out_of_time and step < total_steps,
+    )
 
 
 def _agreed(flag: bool) -> bool:
@@ -186,13 +204,21 @@ def _load_corpus(cfg: TrainConfig, target):
     from train.data import load_corpus, text_encoder
 
     stage = cfg.current
-    corpus = load_corpus(stage.data, text_encoder(target.tokenizer, target.config), target.config,
-                         text_field=stage.text_field, prompt_field=stage.prompt_field,
-                         response_field=stage.response_field, cache_dir=cfg.data_cache_dir)
+    corpus = load_corpus(
+        stage.data,
+        text_encoder(target.tokenizer, target.config),
+        target.config,
+        text_field=stage.text_field,
+        prompt_field=stage.prompt_field,
+        response_field=stage.response_field,
+        cache_dir=cfg.data_cache_dir,
+    )
     total_steps = stage.max_steps or corpus.steps_per_epoch(stage.seq_len, stage.batch_size)
     if total_steps < 1:
-        raise UserError(f"the data ({corpus.num_tokens} tokens) is smaller than one batch of "
-                        f"{stage.batch_size} x {stage.seq_len} tokens: add data or lower batch_size / seq_len")
+        raise UserError(
+            f"the data ({corpus.num_tokens} tokens) is smaller than one batch of "
+            f"{stage.batch_size} x {stage.seq_len} tokens: add data or lower batch_size / seq_len"
+        )
     return corpus, total_steps
 
 
@@ -202,8 +228,10 @@ def _batch_layout(cfg: TrainConfig, mesh) -> tuple[int, int]:
     dp = sharding.data_parallel_size(mesh)
     per_micro = stage.micro_batch_size * dp
     if stage.batch_size % per_micro:
-        raise UserError(f"batch_size={stage.batch_size} is not a multiple of micro_batch_size x data-parallel "
-                        f"devices = {stage.micro_batch_size} x {dp}: change batch_size or micro_batch_size")
+        raise UserError(
+            f"batch_size={stage.batch_size} is not a multiple of micro_batch_size x data-parallel "
+            f"devices = {stage.micro_batch_size} x {dp}: change batch_size or micro_batch_size"
+        )
     if stage.batch_size % jax.process_count():
         raise UserError(f"batch_size={stage.batch_size} does not split over {jax.process_count()} processes")
     return stage.batch_size // per_micro, stage.batch_size // jax.process_count()
@@ -230,8 +258,18 @@ def _export(draft_graphdef, params, cfg: TrainConfig, path: Path) -> Path | None
 
 # What must not change between a checkpoint and its resumption for the run to continue exactly.
 RESUME_FIELDS = ("model", "seed", "stage", "gamma", "num_anchors")
-RESUME_STAGE_FIELDS = ("data", "seq_len", "batch_size", "lr", "anchor_offset", "max_offset", "max_steps",
-                       "text_field", "prompt_field", "response_field")
+RESUME_STAGE_FIELDS = (
+    "data",
+    "seq_len",
+    "batch_size",
+    "lr",
+    "anchor_offset",
+    "max_offset",
+    "max_steps",
+    "text_field",
+    "prompt_field",
+    "response_field",
+)
 
 
 def _check_resumable(store: CheckpointStore, cfg: TrainConfig) -> None:
@@ -243,13 +281,22 @@ def _check_resumable(store: CheckpointStore, cfg: TrainConfig) -> None:
     changed = [(k, a, b) for k, a, b in pairs if a != b]
     if changed:
         key, a, b = changed[0]
-        raise UserError(f"the checkpoint in {store.directory} was made with {key}={a}, this run has {key}={b}: "
-                        "use the same config to resume, or a new output_dir (--set output_dir=...) to start afresh")
+        raise UserError(
+            f"the checkpoint in {store.directory} was made with {key}={a}, this run has {key}={b}: "
+            "use the same config to resume, or a new output_dir (--set output_dir=...) to start afresh"
+        )
 
 
 def _shape_fields(model) -> tuple:
-    return (model.vocab_size, model.hidden_size, model.intermediate_size, model.num_layers, model.num_heads,
-            model.num_kv_heads, model.head_dim)
+    return (
+        model.vocab_size,
+        model.hidden_size,
+        model.intermediate_size,
+        model.num_layers,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+    )
 
 
 def _jsonable(value):
