@@ -125,10 +125,16 @@ def load_config(name_or_path: str) -> TrainConfig:
         raise UserError(f"no config {name_or_path!r}: give a file path or one of {known}")
     spec = importlib.util.spec_from_file_location(f"train_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:  # IndentationError too
+        raise UserError(f"config file {e.filename}:{e.lineno}: {e.msg}: fix the config's Python syntax") from None
     if not callable(getattr(module, "config", None)):
         raise UserError(f"config file {path} must define config() -> TrainConfig")
-    return module.config()
+    cfg = module.config()
+    if not isinstance(cfg, TrainConfig):
+        raise UserError(f"config file {path}: config() returned {type(cfg).__name__}, not a TrainConfig")
+    return cfg
 
 
 def apply_overrides(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:

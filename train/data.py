@@ -2,8 +2,9 @@
 
 Records are either plain text (`text_field`: every token is trained on) or SFT pairs
 (`prompt_field` + `response_field`: only the response and its EOS are trained on). Each record
-becomes [BOS] + tokens + [EOS] (BOS only where the target's tokenizer adds one); the records are shuffled with a seed (reshuffled each epoch),
-concatenated and split into rows of seq_len (grain's concat-then-split), and batched.
+becomes [BOS] + tokens + [EOS] (BOS only where the target's tokenizer adds one); the records are
+shuffled with a seed (reshuffled each epoch), concatenated and split into rows of seq_len (grain's
+concat-then-split), and batched.
 
 `loss_mask[b, t] = 1` when token t is a training label (the prediction of token t from the tokens
 before it counts). The iterator's state (grain `get_state`/`set_state`) goes into every checkpoint,
@@ -23,6 +24,7 @@ import numpy as np
 
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
+from train.data_errors import check_text_fields, unreadable
 
 FORMATS = {
     ".json": "json",
@@ -132,6 +134,7 @@ def load_corpus(
 ) -> Corpus:
     """Load local files with `datasets` (never a hub) and tokenise them (cached by `datasets`)."""
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     files = find_files(paths)
     eos = list(model.eos_token_ids[:1])
@@ -141,7 +144,10 @@ def load_corpus(
     for fmt in sorted({data_format(f) for f in files}):
         chosen = [str(f) for f in files if data_format(f) == fmt]
         kwargs = {"sample_by": "document"} if fmt == "text" else {}
-        raw = datasets.load_dataset(fmt, data_files=chosen, split="train", cache_dir=cache_dir, **kwargs)
+        try:
+            raw = datasets.load_dataset(fmt, data_files=chosen, split="train", cache_dir=cache_dir, **kwargs)
+        except DatasetGenerationError as e:
+            raise unreadable(fmt, chosen, e) from None
         columns = set(raw.column_names)
         if fmt == "text":
             fields = ("text", None)
@@ -154,6 +160,8 @@ def load_corpus(
                 f"{chosen[0]}: records need a {text_field!r} field or {prompt_field!r} + {response_field!r} "
                 f"fields (found {sorted(columns)}); set text_field/prompt_field/response_field with --set"
             )
+        settings = {"text_field": text_field, "prompt_field": prompt_field, "response_field": response_field}
+        check_text_fields(raw, fmt, chosen, {f: key for key, f in settings.items() if f in fields})
         parts.append(
             raw.map(
                 _Tokenise(encoder, eos, *fields),

@@ -1,9 +1,15 @@
 """Run output: a tqdm progress bar (step, loss, tokens/s, lr, ETA), `metrics.jsonl` and
-TensorBoard event files under the run directory. Only process 0 writes."""
+TensorBoard event files under the run directory. Only process 0 writes.
+
+A resumed run replays the steps after its checkpoint, so rows beyond `start_step` are dropped from
+`metrics.jsonl` (and TensorBoard is told to purge them) before the replay writes them again: each
+step has one row.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,8 +27,10 @@ class RunLog:
         from tqdm import tqdm
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        path = self.run_dir / "metrics.jsonl"
+        _keep_rows_up_to(path, start_step)
+        self._jsonl = open(path, "a")
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def count_tokens(self, n: int) -> None:
@@ -55,3 +63,20 @@ class RunLog:
             self._bar.close()
             self._tb.close()
             self._jsonl.close()
+
+
+def _keep_rows_up_to(path: Path, step: int) -> None:
+    """Rewrite `path` without rows after `step` (and without a row cut short by a crash)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

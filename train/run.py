@@ -2,7 +2,8 @@
 
 Trains the selected stage of a config; resumes automatically from the newest checkpoint in
 `<output_dir>/stage<N>/checkpoints`. Exit codes: 0 done, 1 stopped on a non-finite loss,
-2 a usage error (one line, no traceback), 130 interrupted (a checkpoint was saved).
+2 a usage error (one line, no traceback), 130 / 143 stopped by Ctrl-C / SIGTERM (a checkpoint was saved).
+A second trainer on the same output_dir is refused while the first runs.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {e}", file=sys.stderr)
         return 1
     if result.interrupted:
-        return 130
+        return 128 + result.stop_signal
     limited = " (time limit reached before max_steps)" if result.out_of_time else ""
     print(f"trained {cfg.name} stage {cfg.stage} to step {result.step}{limited}; draft: {result.draft_path}")
     return 0
