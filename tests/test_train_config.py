@@ -120,6 +120,30 @@ def test_cli_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
     assert not (tmp_path / "stage1" / "checkpoints").exists()
 
 
+def test_a_config_with_a_syntax_error_is_one_line(tmp_path, capsys):
+    path = tmp_path / "broken.py"
+    path.write_text("def config():\n    return TrainConfig(name='x',\n")
+    assert run.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: config file {path}:2: ") and "syntax" in err and "Traceback" not in err
+
+
+def test_a_config_that_returns_something_else_is_refused(tmp_path):
+    path = tmp_path / "odd.py"
+    path.write_text("def config():\n    return {'name': 'x'}\n")
+    with pytest.raises(UserError, match="returned dict, not a TrainConfig"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys, below):
+    occupied = tmp_path / "occupied"
+    occupied.write_text("not a directory")
+    assert run.main(["--config", "tiny", "--set", f"output_dir={occupied / below}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: output_dir=") and f"{occupied} is a file" in err and "Traceback" not in err
+
+
 def test_cli_error_has_no_traceback_as_a_process(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run(

@@ -1,6 +1,7 @@
 """The data pipeline: local files through `datasets` and grain into packed, masked, seeded batches."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -175,3 +176,31 @@ def test_documents_start_as_the_target_tokenizer_starts_a_text(adds_bos):
     encoder = text_encoder(_word_tokenizer(adds_bos), MODEL)
     assert encoder.bos == ([0] if adds_bos else [])
     assert encoder.encode("hello world") == [3, 4]  # no special tokens inside a document
+
+
+def test_a_malformed_json_line_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "cut short\n{"text": "fine"}\n')
+    with pytest.raises(UserError, match=f"^{path}:2: not valid JSON .*: fix or remove that record$"):
+        corpus(tmp_path, [path])
+
+
+def test_a_malformed_json_document_names_its_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"text": "a"},\n {"text": "b"\n]\n')
+    with pytest.raises(UserError, match=f"^{path}:3: not valid JSON"):
+        corpus(tmp_path, [path])
+
+
+@pytest.mark.parametrize("value, shown", [(5, "5"), (["a", "b"], '["a", "b"]')])
+def test_text_that_is_not_a_string_names_the_file_line_and_field(tmp_path, value, shown):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"body": "fine"}])
+    bad = write_jsonl(tmp_path / "mixed.jsonl", [{"body": "fine"}, {"body": value}])
+    with pytest.raises(UserError, match=f"^{bad}:2: field 'body' is {re.escape(shown)}, not a string.*--set text_field="):
+        corpus(tmp_path, [good, bad], text_field="body")
+
+
+def test_a_response_that_is_not_a_string_names_its_setting(tmp_path):
+    bad = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q", "response": 1}])
+    with pytest.raises(UserError, match="field 'response' is 1, not a string.*--set response_field="):
+        corpus(tmp_path, [bad])

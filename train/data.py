@@ -141,13 +141,15 @@ def load_corpus(
     if not eos:
         raise UserError("the target config names no eos_token_id: documents could not be separated")
     parts = []
-    for fmt in sorted({data_format(f) for f in files}):
-        chosen = [str(f) for f in files if data_format(f) == fmt]
+    # Each file is loaded by itself: loaded together, `datasets` casts a file's column to the first
+    # file's type, turning a list (or a JSON-typed column) into its JSON text instead of failing.
+    for path in sorted(files, key=data_format):  # grouped by format, in order within a format
+        fmt, name = data_format(path), str(path)
         kwargs = {"sample_by": "document"} if fmt == "text" else {}
         try:
-            raw = datasets.load_dataset(fmt, data_files=chosen, split="train", cache_dir=cache_dir, **kwargs)
+            raw = datasets.load_dataset(fmt, data_files=[name], split="train", cache_dir=cache_dir, **kwargs)
         except DatasetGenerationError as e:
-            raise unreadable(fmt, chosen, e) from None
+            raise unreadable(fmt, name, e) from None
         columns = set(raw.column_names)
         if fmt == "text":
             fields = ("text", None)
@@ -157,17 +159,17 @@ def load_corpus(
             fields = (text_field, None)
         else:
             raise UserError(
-                f"{chosen[0]}: records need a {text_field!r} field or {prompt_field!r} + {response_field!r} "
+                f"{name}: records need a {text_field!r} field or {prompt_field!r} + {response_field!r} "
                 f"fields (found {sorted(columns)}); set text_field/prompt_field/response_field with --set"
             )
         settings = {"text_field": text_field, "prompt_field": prompt_field, "response_field": response_field}
-        check_text_fields(raw, fmt, chosen, {f: key for key, f in settings.items() if f in fields})
+        check_text_fields(raw, fmt, name, {f: key for key, f in settings.items() if f in fields})
         parts.append(
             raw.map(
                 _Tokenise(encoder, eos, *fields),
                 batched=True,
                 remove_columns=raw.column_names,
-                desc=f"tokenising {fmt}",
+                desc=f"tokenising {path.name}",
             )
         )
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]

@@ -1,7 +1,7 @@
 """One-line errors for data files that `datasets` cannot read, or whose text fields hold no text.
 
-`datasets` reports a malformed file as a DatasetGenerationError for the whole set of files, and a
-number or list where text belongs surfaces later inside tokenisation. These helpers run only once
+`datasets` reports a malformed file as a DatasetGenerationError, and a number or list where text
+belongs would surface later, inside tokenisation. These helpers run only once
 something is wrong: they reread the files to name the file, the line (JSON) and the fix.
 """
 
@@ -21,41 +21,39 @@ class _BadJson(Exception):
     """A place in a JSON file and what is wrong there."""
 
 
-def unreadable(fmt: str, files: list[str], error: Exception) -> UserError:
-    """The UserError for `datasets.load_dataset(fmt, files)` failing with `error`."""
+def unreadable(fmt: str, file: str, error: Exception) -> UserError:
+    """The UserError for `datasets.load_dataset(fmt, [file])` failing with `error`."""
     if fmt == "json":
-        for f in files:
-            try:
-                for _ in _json_records(Path(f)):
-                    pass
-            except _BadJson as bad:
-                return UserError(f"{bad}: fix or remove that record")
+        try:
+            for _ in _json_records(Path(file)):
+                pass
+        except _BadJson as bad:
+            return UserError(f"{bad}: fix or remove that record")
     cause = error.__cause__ or error
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    return UserError(f"cannot read {fmt} data in {_name_files(files)} ({detail}): fix or remove the damaged file")
+    return UserError(f"cannot read {file} as {fmt} data ({detail}): fix or remove the file")
 
 
-def check_text_fields(raw, fmt: str, files: list[str], settings: dict[str, str]) -> None:
+def check_text_fields(raw, fmt: str, file: str, settings: dict[str, str]) -> None:
     """Raise a UserError when a column in `settings` (field -> the --set key choosing it) is not text."""
     for field, setting in settings.items():
         dtype = getattr(raw.features[field], "dtype", None)
         if dtype in TEXT_TYPES:
             continue
-        where, found = _first_non_text(fmt, files, field) or (_name_files(files), f"of type {raw.features[field]}")
+        where, found = _first_non_text(fmt, file, field) or (file, f"of type {raw.features[field]}")
         raise UserError(
             f"{where}: field {field!r} is {found}, not a string: make it text, or train on another "
             f"field (--set {setting}=...)"
         )
 
 
-def _first_non_text(fmt: str, files: list[str], field: str) -> tuple[str, str] | None:
+def _first_non_text(fmt: str, file: str, field: str) -> tuple[str, str] | None:
     if fmt != "json":
         return None
-    for f in files:
-        for where, record in _json_records(Path(f)):
-            value = record.get(field) if isinstance(record, dict) else None
-            if value is not None and not isinstance(value, str):
-                return where, json.dumps(value)[:40]
+    for where, record in _json_records(Path(file)):
+        value = record.get(field) if isinstance(record, dict) else None
+        if value is not None and not isinstance(value, str):
+            return where, json.dumps(value)[:40]
     return None
 
 
@@ -102,8 +100,3 @@ def _open_text(path: Path):
     if path.suffix.lower() == ".gz":
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
-
-
-def _name_files(files: list[str]) -> str:
-    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
-    return ", ".join(files[:3]) + more
