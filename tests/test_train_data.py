@@ -196,7 +196,9 @@ def test_a_malformed_json_document_names_its_line(tmp_path):
 def test_text_that_is_not_a_string_names_the_file_line_and_field(tmp_path, value, shown):
     good = write_jsonl(tmp_path / "good.jsonl", [{"body": "fine"}])
     bad = write_jsonl(tmp_path / "mixed.jsonl", [{"body": "fine"}, {"body": value}])
-    with pytest.raises(UserError, match=f"^{bad}:2: field 'body' is {re.escape(shown)}, not a string.*--set text_field="):
+    with pytest.raises(
+        UserError, match=f"^{bad}:2: field 'body' is {re.escape(shown)}, not a string.*--set text_field="
+    ):
         corpus(tmp_path, [good, bad], text_field="body")
 
 

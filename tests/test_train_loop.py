@@ -3,7 +3,9 @@ uninterrupted one would be, a non-finite loss keeps the last good checkpoint, th
 
 import dataclasses
 import json
+import os
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -58,15 +60,15 @@ def tiny_cfg(corpus_file, out_dir, *overrides):
 
 
 class Recorder:
-    """on_step hook: the batch each step saw; optionally a Ctrl-C (SIGINT) after step `interrupt_at`."""
+    """on_step hook: the batch each step saw; optionally a signal (Ctrl-C's SIGINT) after step `interrupt_at`."""
 
-    def __init__(self, interrupt_at=None):
-        self.batches, self.interrupt_at = {}, interrupt_at
+    def __init__(self, interrupt_at=None, signum=signal.SIGINT):
+        self.batches, self.interrupt_at, self.signum = {}, interrupt_at, signum
 
     def __call__(self, step, batch, metrics):
         self.batches[step] = batch["tokens"].copy()
         if step == self.interrupt_at:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(self.signum)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def test_interrupted_run_resumes_exactly(uninterrupted, corpus_file, tmp_path):
     out = tmp_path / "run"
     first = Recorder(interrupt_at=5)
     stopped = train(tiny_cfg(corpus_file, out), on_step=first)
-    assert stopped.interrupted and stopped.step == 5
+    assert stopped.interrupted and stopped.stop_signal == signal.SIGINT and stopped.step == 5
     assert CheckpointStore(out / "stage1" / "checkpoints", keep=2).latest_step() == 5
     second = Recorder()
     resumed = train(tiny_cfg(corpus_file, out), on_step=second)
@@ -160,6 +162,41 @@ def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_
     result, _ = uninterrupted
     with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):
         train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
+
+
+def test_sigterm_saves_and_a_damaged_newest_checkpoint_is_skipped_without_duplicate_rows(
+    uninterrupted, corpus_file, tmp_path
+):
+    full, full_batches = uninterrupted
+    out = tmp_path / "run"
+    overrides = ("checkpoint_every=4", "log_every=1")
+    stopped = train(tiny_cfg(corpus_file, out, *overrides), on_step=Recorder(interrupt_at=9, signum=signal.SIGTERM))
+    assert stopped.stop_signal == signal.SIGTERM and stopped.step == 9
+    checkpoints = out / "stage1" / "checkpoints"
+    assert CheckpointStore(checkpoints, keep=2).manager.all_steps() == [8, 9]
+    os.truncate(checkpoints / "9" / "state" / "manifest.ocdbt", 10)  # a write cut short
+    second = Recorder()
+    resumed = train(tiny_cfg(corpus_file, out, *overrides), on_step=second)
+    assert resumed.start_step == 8 and resumed.step == STEPS
+    assert any("step 9 (" in n and "resuming from step 8" in n for n in resumed.notes), resumed.notes
+    assert (out / "stage1" / "damaged_checkpoints" / "9").is_dir()
+    assert stopped.losses[:8] + resumed.losses == full.losses  # steps 9.. replayed exactly
+    for step in range(9, STEPS + 1):
+        assert np.array_equal(second.batches[step], full_batches.batches[step]), f"step {step} saw other data"
+    rows = [json.loads(line) for line in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # step 9 once, although run twice
+    assert [r["loss"] for r in rows] == pytest.approx(full.losses)
+
+
+def test_resume_compares_the_data_by_content_not_by_path(uninterrupted, corpus_file, tmp_path, monkeypatch):
+    result, _ = uninterrupted
+    changed = tmp_path / corpus_file.name
+    changed.write_text(corpus_file.read_text().replace("apples", "grapes", 1))  # same size, other data
+    with pytest.raises(UserError, match="trained on other data .*stories.jsonl.*--set output_dir"):
+        train(tiny_cfg(changed, result.run_dir.parent))
+    monkeypatch.chdir(corpus_file.parent)  # the same file by a relative path resumes (nothing left to run)
+    again = train(tiny_cfg(Path(corpus_file.name), result.run_dir.parent))
+    assert again.start_step == again.step == STEPS and again.losses == []
 
 
 def test_time_limit_stops_saves_exports_and_resumes(corpus_file, tmp_path):

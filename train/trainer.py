@@ -208,6 +208,8 @@ def _train_locked(cfg: TrainConfig, files, deadline: float, notes: list[str], on
                         )
                     losses.append(metrics["loss"])
                     log.count_tokens(stage.batch_size * stage.seq_len)
+                    if on_step is not None:
+                        on_step(step, local, metrics)
                     out_of_time, stop_signal = _agreed(time.monotonic() >= deadline, signals.received)
                     out_of_time = bool(out_of_time)
                     if step % cfg.log_every == 0 or step == total_steps or out_of_time:
@@ -215,8 +217,6 @@ def _train_locked(cfg: TrainConfig, files, deadline: float, notes: list[str], on
                         last_logged = step
                     if step % cfg.checkpoint_every == 0 or step == total_steps or out_of_time:
                         save()
-                    if on_step is not None:
-                        on_step(step, local, metrics)
                 if stop_signal:
                     if store.latest_step() != step:
                         save()
