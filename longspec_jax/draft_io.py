@@ -96,7 +96,8 @@ def init_draft(target, seed: int = 0, *, config: DraftConfig = DraftConfig()) ->
 
 def inference_draft(target, path: str | Path | None = None) -> Draft | None:
     """The draft to decode `target` with, in the target's dtype: the one at `path`, else the one
-    this project ships for the target (`target.shipped_draft`), else None."""
+    this project ships for the target (`target.shipped_draft`, which `load_target` finds by the
+    target file's content, not its path), else None."""
     path = path if path is not None else target.shipped_draft
     if path is None:
         return None
