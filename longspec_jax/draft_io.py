@@ -226,7 +226,11 @@ def _read_torch(path: Path) -> Mapping[str, object]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-        raise UserError(f"{path} is not a readable PyTorch state dict ({e}): it is damaged or truncated") from None
+        # torch's own messages run over many lines; the type is enough to tell what went wrong.
+        raise UserError(
+            f"{path} is not a readable PyTorch state dict ({type(e).__name__}): it is damaged or truncated; "
+            "copy it again"
+        ) from None
     # Training scripts often nest the state dict one level down.
     for key in ("state_dict", "model", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
