@@ -212,12 +212,12 @@ def run(args: argparse.Namespace) -> int:
         if result is None:
             raise
         interrupted = True
-    text = result.text[0] if result.text is not None else decode(target.tokenizer, result.tokens[0])
+    new_text = result.text[0] if result.text is not None else decode(target.tokenizer, result.tokens[0])
     if args.json:
         stats = {**result.stats.to_dict(), "interrupted": interrupted}
-        print(json.dumps({"tokens": result.tokens[0], "text": text, "stats": stats}))
+        print(json.dumps({"tokens": result.tokens[0], "text": new_text, "stats": stats}))
     else:
-        out.finish(text)
+        out.finish(new_text)
         print(result.stats.line() + (" | interrupted" if interrupted else ""), file=sys.stderr)
         if args.profile:
             print("profile: " + ", ".join(f"{k} {v:.3f}" for k, v in result.stats.profile.items()), file=sys.stderr)
@@ -236,7 +236,8 @@ def leave_on_next_ctrl_c() -> None:
 def settle_device_work() -> None:
     """Wait for the computations dispatched before an interrupt: the interpreter then shuts down
     (and JAX drops its backends) with no device work still running under it, which is what can
-    otherwise end in a C++ "terminate called" abort. At most one decode round is in flight."""
+    otherwise end in a C++ "terminate called" abort. What is in flight is what the host loop had
+    queued when the interrupt landed (a prefill or a few decode steps), so the wait is short."""
     for array in jax.live_arrays():
         if not array.is_deleted():
             array.block_until_ready()

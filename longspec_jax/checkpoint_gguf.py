@@ -64,7 +64,7 @@ def _convert_gguf(gguf, path: Path) -> tuple[dict[str, Any], dict[str, np.ndarra
         # The reader parses the header with numpy views of the file (tensor data included): a truncated or
         # damaged file fails wherever the parse runs out of bytes, as any of these.
         raise UserError(
-            f"{path} is not a complete GGUF file ({type(e).__name__}: {e}): it is truncated or damaged; "
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is truncated or damaged; "
             "download or convert it again"
         ) from None
     arch = _metadata(reader, "general.architecture")

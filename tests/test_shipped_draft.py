@@ -58,6 +58,7 @@ def test_another_gguf_gets_none_without_hashing_anything(tmp_path, hashes):
 
 
 def test_target_loaded_from_a_copy_decodes_with_the_shipped_draft(smollm2_copy):
+    assert load_target(None, dtype="float32").shipped_draft == default_draft_dir()
     target = load_target(smollm2_copy, dtype="float32")
     assert target.shipped_draft == default_draft_dir()
     generator = Generator(target)

@@ -143,4 +143,4 @@ def test_truncated_gguf(tmp_path, monkeypatch, keep):
     path = tmp_path / "cut.gguf"
     path.write_bytes(smollm2_gguf_path().read_bytes()[:keep])
     message = _load_error(path)
-    assert "cut.gguf is not a complete GGUF file" in message and "truncated" in message
+    assert "cut.gguf is not a readable GGUF file" in message and "truncated" in message
