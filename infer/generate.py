@@ -2,13 +2,16 @@
 
 Prints the text (streamed when stdout is a terminal) and then one stats line on stderr; `--json`
 prints one JSON object {tokens, text, stats} instead. Without --target it runs the embedded
-SmolLM2-135M-Instruct. Mistakes a user can fix print one line and exit with status 2.
+SmolLM2-135M-Instruct. Mistakes a user can fix print one line and exit with status 2. Ctrl-C exits
+with status 130 and no traceback, after printing what was generated so far (in --json mode with
+"interrupted": true in the stats).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -22,10 +25,36 @@ from longspec_jax.target import load_target
 from longspec_jax.tokenizer import decode, encode_prompt
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process that Ctrl-C stopped
+INT32_MAX = 2**31 - 1
+# JAX keys take 32-bit seeds unless x64 is on: larger seeds would silently repeat smaller ones.
+SEED_MAX = 2**32 - 1
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments are a UserError like every other mistake: one `error:` line, exit status 2."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see --help)")
+
+
+def int_in_range(low: int, high: int, meaning: str = ""):
+    """An argparse type: an integer from `low` to `high`, else one line naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}{meaning}, got {text!r}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+    p = OneLineErrorParser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
     p.add_argument("--prompt-file", required=True, type=Path, help="UTF-8 text file with the prompt")
     p.add_argument("--target", help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft checkpoint (default: the one shipped for the target, if any)")
@@ -39,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int_in_range(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int_in_range(0, INT32_MAX, " (0 = off)"), default=0, help="0 = off")
+    p.add_argument("--seed", type=int_in_range(0, SEED_MAX), default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object {tokens, text, stats}")
     p.add_argument("--profile", action="store_true", help="also print per-step timings")
@@ -116,9 +145,12 @@ class TerminalOutput:
                 sys.stdout.flush()
                 self.printed = text
 
-    def finish(self, text: str) -> None:
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def finish(self, text: str) -> None:
+        self.close()
         if self.stream_text:
             sys.stdout.write(text[len(self.printed) :] if text.startswith(self.printed) else "\n" + text)
             sys.stdout.write("\n")
@@ -160,33 +192,67 @@ def run(args: argparse.Namespace) -> int:
     )
     if tty_err:
         print(f"prefill {len(prompt_ids)} tokens (the first run of a length bucket also compiles) ...", file=sys.stderr)
-    result = generator.generate(
-        prompt_ids,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stream=out if out.active else None,
-        profile=args.profile,
-    )
+    interrupted = False
+    try:
+        result = generator.generate(
+            prompt_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stream=out if out.active else None,
+            profile=args.profile,
+        )
+    except KeyboardInterrupt as interrupt:
+        leave_on_next_ctrl_c()
+        out.close()
+        # The generate loop hands over what it made before the interrupt, when it made anything.
+        result = getattr(interrupt, "result", None)
+        if result is None:
+            raise
+        interrupted = True
+    new_text = result.text[0] if result.text is not None else decode(target.tokenizer, result.tokens[0])
     if args.json:
-        print(json.dumps({"tokens": result.tokens[0], "text": result.text[0], "stats": result.stats.to_dict()}))
-        return 0
-    out.finish(result.text[0])
-    print(result.stats.line(), file=sys.stderr)
-    if args.profile:
-        print("profile: " + ", ".join(f"{k} {v:.3f}" for k, v in result.stats.profile.items()), file=sys.stderr)
+        stats = {**result.stats.to_dict(), "interrupted": interrupted}
+        print(json.dumps({"tokens": result.tokens[0], "text": new_text, "stats": stats}))
+    else:
+        out.finish(new_text)
+        print(result.stats.line() + (" | interrupted" if interrupted else ""), file=sys.stderr)
+        if args.profile:
+            print("profile: " + ", ".join(f"{k} {v:.3f}" for k, v in result.stats.profile.items()), file=sys.stderr)
+    if interrupted:
+        settle_device_work()
+        return EXIT_INTERRUPTED
     return 0
 
 
+def leave_on_next_ctrl_c() -> None:
+    """After the first Ctrl-C, a second one ends the process at once (by the signal, as a shell
+    expects) instead of raising KeyboardInterrupt again inside the clean exit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def settle_device_work() -> None:
+    """Wait for the computations dispatched before an interrupt: the interpreter then shuts down
+    (and JAX drops its backends) with no device work still running under it, which is what can
+    otherwise end in a C++ "terminate called" abort. What is in flight is what the host loop had
+    queued when the interrupt landed (a prefill or a few decode steps), so the wait is short."""
+    for array in jax.live_arrays():
+        if not array.is_deleted():
+            array.block_until_ready()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        return run(build_parser().parse_args(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        leave_on_next_ctrl_c()
+        settle_device_work()
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ RoPE scaling comes back as HF's `rope_scaling`: linear from the metadata, llama3
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,13 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 def _convert_gguf(gguf, path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     try:
         reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise UserError(f"{path} is not a readable GGUF file ({e}): re-download or re-convert it") from e
+    except (ValueError, OSError, IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
+        # The reader parses the header with numpy views of the file (tensor data included): a truncated or
+        # damaged file fails wherever the parse runs out of bytes, as any of these.
+        raise UserError(
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is truncated or damaged; "
+            "download or convert it again"
+        ) from None
     arch = _metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UserError(

@@ -6,7 +6,6 @@ loader feeds it too. HF linear weights are `[out, in]`, ours `[in, out]`, hence 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -14,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.errors import UserError
 from longspec_jax.model import Linear, Transformer
 
@@ -28,7 +27,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of an HF directory, from the shard index when there is one."""
     index = directory / SHARD_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map") or {}
         files = [directory / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -47,13 +46,25 @@ def read_hf_tensors(directory: str | Path) -> dict[str, np.ndarray]:
     ml_dtypes.bfloat16), so only the model's own arrays ever occupy the accelerator."""
     tensors: dict[str, np.ndarray] = {}
     for file in safetensors_files(Path(directory)):
+        tensors.update(read_safetensors_file(file))
+    return tensors
+
+
+def read_safetensors_file(file: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as host numpy arrays (bfloat16 as ml_dtypes.bfloat16);
+    a damaged file (truncated, not safetensors) is a UserError naming it."""
+    try:
         with safe_open(file, framework="numpy") as f:
             bf16 = {name for name in f.keys() if f.get_slice(name).get_dtype() == "BF16"}
-            tensors.update({name: f.get_tensor(name) for name in f.keys() if name not in bf16})
+            tensors = {name: f.get_tensor(name) for name in f.keys() if name not in bf16}
         if bf16:
             # safetensors' numpy reader has no bfloat16; its JAX reader does, placed on the host.
             with jax.default_device(_host_device()), safe_open(file, framework="flax") as f:
                 tensors.update({name: np.asarray(f.get_tensor(name)) for name in bf16})
+    except SafetensorError as e:
+        raise UserError(
+            f"{file} is not a readable safetensors file ({e}): it is damaged or truncated; download or copy it again"
+        ) from None
     return tensors
 
 

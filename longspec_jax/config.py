@@ -56,6 +56,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        """The config of an HF config dict; a missing key or a value of the wrong type is a UserError."""
+        try:
+            return cls._from_hf_dict(hf)
+        except UserError:
+            raise
+        except KeyError as e:
+            raise UserError(f"the model config lacks {e.args[0]}: use the config.json saved with the weights") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise UserError(
+                f"the model config holds a value of the wrong type ({e}): use the config.json saved with the weights"
+            ) from None
+
+    @classmethod
+    def _from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         model_type = hf.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(
@@ -95,7 +109,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise UserError(f"no config.json at {path}: point --target at an HF checkpoint directory")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        return cls.from_hf_dict(read_json_object(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config in the released-checkpoint form (top-level rope_theta / rope_scaling)."""
@@ -129,6 +143,19 @@ class ModelConfig:
                 "original_max_position_embeddings": s.original_max_position_embeddings,
             }
         return out
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; a file that is not one is a UserError naming it."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}): restore the file from the checkpoint's source") from None
+    if not isinstance(value, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(value).__name__}, not an object: restore the file from the checkpoint's source"
+        )
+    return value
 
 
 def _read_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:

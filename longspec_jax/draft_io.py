@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.checkpoint_hf import read_hf_tensors, read_safetensors_file
+from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.draft import DraftBlock, DraftConfig
 from longspec_jax.errors import UserError
 
@@ -36,6 +38,8 @@ MARKER_TENSOR = "post_cross_attention_layernorm.weight"
 BLOCK_PARTS = ("self_attn.", "cross_attn.", "mlp.", "input_layernorm.", "post_self_attention_layernorm.", MARKER_TENSOR)
 UNUSED_PARTS = ("cross_attn.k_proj.", "cross_attn.v_proj.")
 ROPE_BUFFER = "rotary_emb.inv_freq"  # older transformers saved it in state dicts; ours is recomputed
+# The ring buffer holds `window` positions per sequence; beyond a million a window is a typo, not a choice.
+MAX_WINDOW = 1 << 20
 
 
 @dataclasses.dataclass
@@ -92,7 +96,8 @@ def init_draft(target, seed: int = 0, *, config: DraftConfig = DraftConfig()) ->
 
 def inference_draft(target, path: str | Path | None = None) -> Draft | None:
     """The draft to decode `target` with, in the target's dtype: the one at `path`, else the one
-    this project ships for the target (`target.shipped_draft`), else None."""
+    this project ships for the target (`target.shipped_draft`, which `load_target` finds by the
+    target file's content, not its path), else None."""
     path = path if path is not None else target.shipped_draft
     if path is None:
         return None
@@ -162,7 +167,8 @@ def _block_prefix(tensors: Mapping[str, object], source: str) -> str:
         )
     if len(prefixes) > 1:
         raise UserError(
-            f"{source} holds several draft blocks (prefixes {', '.join(map(repr, prefixes))}): pass a single-draft checkpoint"
+            f"{source} holds several draft blocks (prefixes {', '.join(map(repr, prefixes))}): "
+            "pass a single-draft checkpoint"
         )
     return prefixes[0]
 
@@ -175,28 +181,41 @@ def _float32_numpy(tensor) -> np.ndarray:
 
 def _read_checkpoint(path: Path) -> tuple[Mapping[str, object], DraftConfig]:
     """(tensors by name, draft config: our export's, else the default)."""
-    from safetensors.flax import load_file
-
     if path.is_file():
         if path.suffix == ".safetensors":
-            return load_file(str(path)), DraftConfig()
+            return read_safetensors_file(path), DraftConfig()
         if path.suffix in TORCH_SUFFIXES:
             return _read_torch(path), DraftConfig()
         raise UserError(
             f"draft file {path} is neither .safetensors nor {'/'.join(TORCH_SUFFIXES)}: pass a draft checkpoint"
         )
     config_path = path / CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = read_json_object(config_path) if config_path.is_file() else {}
     if EXPORT_KEY in config:
         if not (path / WEIGHTS_FILE).is_file():
             raise UserError(f"draft export {path} has {CONFIG_FILE} but no {WEIGHTS_FILE}: copy the whole directory")
-        return load_file(str(path / WEIGHTS_FILE)), DraftConfig(**config[EXPORT_KEY])
+        return read_safetensors_file(path / WEIGHTS_FILE), draft_config_from_dict(config[EXPORT_KEY], config_path)
     torch_files = sorted(f for f in path.iterdir() if f.suffix in TORCH_SUFFIXES)
     if not any(path.glob("*.safetensors")) and torch_files:
         return _read_torch(torch_files[0]), DraftConfig()
-    from longspec_jax.checkpoint_hf import read_hf_tensors
-
     return read_hf_tensors(path), DraftConfig()
+
+
+def draft_config_from_dict(values, source: Path | str) -> DraftConfig:
+    """A DraftConfig from our export's `longspec_jax_draft` entry, every field checked."""
+    fields = {f.name for f in dataclasses.fields(DraftConfig)}
+    if not isinstance(values, dict) or not set(values) <= fields:
+        raise UserError(
+            f"{source}: {EXPORT_KEY} must be an object with the fields {', '.join(sorted(fields))}, got {values!r}: "
+            "restore the config.json saved with the draft"
+        )
+    window = values.get("window", DraftConfig.window)
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+        raise UserError(
+            f"{source}: the draft window must be an integer from 1 to {MAX_WINDOW}, got {window!r}: "
+            "restore the config.json saved with the draft (its training window, 512 by default)"
+        )
+    return DraftConfig(window=window)
 
 
 def _read_torch(path: Path) -> Mapping[str, object]:
@@ -204,7 +223,14 @@ def _read_torch(path: Path) -> Mapping[str, object]:
         import torch
     except ImportError:
         raise UserError(f"reading {path} (a PyTorch state dict) needs torch: pip install torch") from None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        # torch's own messages run over many lines; the type is enough to tell what went wrong.
+        raise UserError(
+            f"{path} is not a readable PyTorch state dict ({type(e).__name__}): it is damaged or truncated; "
+            "copy it again"
+        ) from None
     # Training scripts often nest the state dict one level down.
     for key in ("state_dict", "model", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):

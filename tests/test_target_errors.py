@@ -88,3 +88,59 @@ def test_untied_config_needs_an_lm_head(tmp_path):
     directory = save_tiny_checkpoint(tmp_path / "tied", tiny_config(tie_word_embeddings=True))
     _edit_config(directory, tie_word_embeddings=False)
     assert "lm_head.weight" in _load_error(directory)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("{not json", "is not valid JSON"), ('["a list"]', "not an object"), ("\xff\xfe", "is not valid JSON")],
+    ids=["broken", "a-list", "not-utf8"],
+)
+def test_config_json_that_is_not_a_json_object(checkpoint, text, message):
+    (checkpoint / "config.json").write_bytes(text.encode("latin-1"))
+    error = _load_error(checkpoint)
+    assert message in error and "config.json" in error
+
+
+def test_config_json_missing_a_required_key(checkpoint):
+    path = checkpoint / "config.json"
+    hf = json.loads(path.read_text())
+    del hf["num_attention_heads"]
+    path.write_text(json.dumps(hf))
+    assert "lacks num_attention_heads" in _load_error(checkpoint)
+
+
+def _truncate(path, keep):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda f: _truncate(f, f.stat().st_size // 2),
+        lambda f: _truncate(f, 5),
+        lambda f: _truncate(f, 0),
+        lambda f: f.write_bytes(np.random.default_rng(0).bytes(f.stat().st_size)),
+    ],
+    ids=["half", "five-bytes", "empty", "garbage"],
+)
+def test_damaged_safetensors(checkpoint, damage):
+    damage(checkpoint / "model.safetensors")
+    message = _load_error(checkpoint)
+    assert "model.safetensors is not a readable safetensors file" in message and "again" in message
+
+
+def test_shard_index_that_is_not_json(checkpoint):
+    (checkpoint / SHARD_INDEX).write_text("{")
+    assert "is not valid JSON" in _load_error(checkpoint)
+
+
+@pytest.mark.parametrize("keep", [0, 100, 2**20, -1000], ids=["empty", "100-bytes", "first-megabyte", "tail-cut"])
+def test_truncated_gguf(tmp_path, monkeypatch, keep):
+    from longspec_jax import gguf_cache
+    from longspec_jax.embedded import smollm2_gguf_path
+
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path / "cache"))
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(smollm2_gguf_path().read_bytes()[:keep])
+    message = _load_error(path)
+    assert "cut.gguf is not a readable GGUF file" in message and "truncated" in message
