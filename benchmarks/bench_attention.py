@@ -9,8 +9,8 @@ at 7B shapes (Hq = 32, D = 128, bf16), against the floor max(K/V bytes read once
 FLOPs / matmul rate), both ceilings measured in the same run. The new tokens' K/V sit right after
 the cache, as in the model, so (a) and (b) read one concatenated array prepared outside the timing.
 
-    python -m infer.bench_attention                      # the full grid of the issue
-    python -m infer.bench_attention --seq-lens 32768 --tree-sizes 74 --tune
+    python -m benchmarks.bench_attention   # S = 4k..128k, T = 74/16/128, B = 1/4, Hkv = 32/8
+    python -m benchmarks.bench_attention --seq-lens 32768 --tree-sizes 74 --tune
 
 Each time is the median over groups of back-to-back calls (after compile and warm-up), cycling
 through independently drawn input sets so no call finds its K/V in L2 from the previous one. The
@@ -331,7 +331,7 @@ def format_table(rows):
 
 
 def target_verdicts(rows):
-    """The issue's targets at T = 74, S = 32k: best hybrid <= 1.5x floor and >= 4x faster than (a)."""
+    """The attention targets at T = 74, S = 32k: best hybrid <= 1.5x floor and >= 4x faster than (a)."""
     out = []
     for r in rows:
         if r["t"] != 74 or r["s"] != 32768:

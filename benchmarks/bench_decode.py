@@ -1,7 +1,7 @@
 """AR decode speed of a 7B-shaped random-weight target against its memory floor (GPU).
 
-    python -m infer.bench_decode                  # Vicuna-7B shape, bf16, contexts 4k and 32k, xla + cudnn
-    python -m infer.bench_decode --small          # tiny config on CPU: a smoke test of this script
+    python -m benchmarks.bench_decode                  # Vicuna-7B shape, bf16, contexts 4k and 32k, xla + cudnn
+    python -m benchmarks.bench_decode --small          # tiny config on CPU: a smoke test of this script
 
 For each attention implementation and context S it times `generation.ar_decode` (the on-device
 while_loop that `generate` uses) over --steps steps with S tokens already in the cache, and the
@@ -119,7 +119,7 @@ def bench_one(
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_decode", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny config on CPU (smoke test)")
     p.add_argument("--contexts", help="comma-separated context lengths (default 4096,32768; --small 32,64)")
     p.add_argument("--impls", help="attention implementations (default xla,cudnn; --small xla)")

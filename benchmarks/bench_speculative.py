@@ -1,7 +1,7 @@
 """Per-round cost of LongSpec speculative decoding on 7B-shaped random-weight targets (GPU).
 
-    python -m infer.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
-    python -m infer.bench_speculative --small            # tiny config on CPU: a smoke test of this script
+    python -m benchmarks.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
+    python -m benchmarks.bench_speculative --small            # tiny config on CPU: a smoke test of this script
 
 For each target shape and context S (tokens already in the target cache, zeros: attention and
 matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
@@ -169,7 +169,7 @@ def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_speculative", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_speculative", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny config on CPU (smoke test)")
     p.add_argument("--shapes", help=f"comma-separated target shapes of {sorted(SHAPES)} (default vicuna7b,llama3_8b)")
     p.add_argument("--contexts", help="comma-separated contexts (default 4096,16384,32768,65536; --small 64,256)")

@@ -2,11 +2,11 @@
 (`train.step`) for a random-weight Vicuna-7B-shaped target + its draft, at seq 1k and 16k, on 1 GPU
 and sharded (FSDP) over 2 GPUs, with the 2-GPU / 1-GPU scaling ratio. Prints a table last.
 
-    python -m train.bench_train              # on the GPU machine (each case in a fresh process)
-    python -m train.bench_train --seqs 1024 --out train_1024.jsonl     # a subset per call, saved
-    python -m train.bench_train --seqs 16384 --out train_16384.jsonl
-    python -m train.bench_train --merge train_1024.jsonl train_16384.jsonl   # the table of both
-    python -m train.bench_train --small      # CPU smoke test: tiny shapes, in one process
+    python -m benchmarks.bench_train              # on the GPU machine (each case in a fresh process)
+    python -m benchmarks.bench_train --seqs 1024 --out train_1024.jsonl     # a subset per call, saved
+    python -m benchmarks.bench_train --seqs 16384 --out train_16384.jsonl
+    python -m benchmarks.bench_train --merge train_1024.jsonl train_16384.jsonl   # the table of both
+    python -m benchmarks.bench_train --small      # CPU smoke test: tiny shapes, in one process
 
 Each case runs in its own process under --case-timeout seconds (default 240: building the 7B
 target, compiling its step and running it take minutes); its JSON line is printed (and appended to
@@ -201,7 +201,7 @@ def _run_isolated(case: Case, args) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "train.bench_train",
+        "benchmarks.bench_train",
         "--one",
         f"{case.seq_len},{case.devices},{case.micro_batch}",
         "--steps",

@@ -1,4 +1,4 @@
-"""`python -m train.bench_train`: the GPU training benchmark's CPU smoke test (--small, 2 fake
+"""`python -m benchmarks.bench_train`: the GPU training benchmark's CPU smoke test (--small, 2 fake
 devices, which must run without grain or datasets: the GPU machine has neither), its saved case
 lines and --merge, and the per-case time limit."""
 
@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train import bench_train
+from benchmarks import bench_train
 
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import sys
-from train import bench_train
+from benchmarks import bench_train
 bench_train.main(["--small", "--steps", "1", "--out", sys.argv[1]])
 print("data modules imported:", sorted(m for m in ("grain", "datasets") if m in sys.modules))
 """

@@ -1,101 +1,118 @@
-"""Move the embedded SmolLM2 GGUF (98 MB) to the GPU machine, which takes at most 64 MiB per call
-(the working tree, ~12 MiB with the shipped draft, included).
+"""Cut a large file into parts of bounded size and put it back together, checked by its sha256.
 
-Here:             python -m infer.stage_gguf split        -> .stage/part1..3, .stage/sha256
-GPU call N:       (carry .stage/partN .stage/sha256)  python -m infer.stage_gguf put-part N
-last call:        ... && python -m infer.stage_gguf join  -> prints /root/stage/SmolLM2-135M-Instruct.gguf
-Three parts of ~31 MiB leave room in each call for the wheels or the training corpus.
+    python tools/split_file.py split FILE --parts 3 [--out-dir DIR]
+        -> DIR/NAME.part1of3 .. NAME.part3of3 and DIR/NAME.sha256 (DIR defaults to FILE's folder)
+    python tools/split_file.py join DIR/NAME.sha256 [--out PATH]
+        -> PATH (default DIR/NAME), joined from the parts beside the checksum; removed if it does not match
+
+The checksum file is in `sha256sum` format, so `sha256sum -c` also checks a joined file. Standard
+library only: it runs with any Python 3.12, the project need not be installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shutil
 import sys
 from pathlib import Path
 
-from longspec_jax.errors import UserError
+CHUNK = 1 << 24
 
-LOCAL_DIR = Path(".stage")  # relative to the repository root, git-ignored
-REMOTE_DIR = Path("/root/stage")
-JOINED_NAME = "SmolLM2-135M-Instruct.gguf"
-PARTS = 3
+
+class SplitError(Exception):
+    """A mistake in the inputs, reported as one line."""
 
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
+        while chunk := f.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def split() -> None:
-    from longspec_jax.embedded import smollm2_gguf_path
-
-    source = smollm2_gguf_path()
-    data = source.read_bytes()
-    LOCAL_DIR.mkdir(exist_ok=True)
-    part_size = -(-len(data) // PARTS)
-    for i in range(PARTS):
-        (LOCAL_DIR / f"part{i + 1}").write_bytes(data[i * part_size : (i + 1) * part_size])
-    (LOCAL_DIR / "sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  {source.name}\n")
-    print(f"{PARTS} parts of {part_size / 2**20:.1f} MiB in {LOCAL_DIR}/ from {source}")
+def part_name(name: str, index: int, count: int) -> str:
+    return f"{name}.part{index}of{count}"
 
 
-def put_part(n: int) -> None:
-    part = LOCAL_DIR / f"part{n}"
-    if not part.is_file():
-        raise UserError(f"{part} is missing: run `python -m infer.stage_gguf split` here and carry {part}")
-    REMOTE_DIR.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(part, REMOTE_DIR / part.name)
-    if (LOCAL_DIR / "sha256").is_file():
-        shutil.copyfile(LOCAL_DIR / "sha256", REMOTE_DIR / "sha256")
-    print(f"{REMOTE_DIR / part.name}")
+def split(source: Path, parts: int, out_dir: Path | None = None) -> list[Path]:
+    """Writes `parts` pieces of near-equal size and NAME.sha256 into out_dir; returns the pieces."""
+    if not source.is_file():
+        raise SplitError(f"{source} is not a file")
+    if parts < 1:
+        raise SplitError(f"--parts {parts} must be >= 1")
+    out_dir = out_dir or source.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    part_size = max(1, -(-source.stat().st_size // parts))
+    written = []
+    with source.open("rb") as f:
+        for i in range(1, parts + 1):
+            path = out_dir / part_name(source.name, i, parts)
+            with path.open("wb") as out:
+                left = part_size
+                while left and (chunk := f.read(min(CHUNK, left))):
+                    out.write(chunk)
+                    left -= len(chunk)
+            written.append(path)
+    (out_dir / f"{source.name}.sha256").write_text(f"{sha256_of(source)}  {source.name}\n")
+    return written
 
 
-def join() -> Path:
-    checksum = next((p for p in (LOCAL_DIR / "sha256", REMOTE_DIR / "sha256") if p.is_file()), None)
-    if checksum is None:
-        raise UserError("no sha256 file: carry .stage/sha256 (written by `split`) in a put-part or join call")
-    parts = [REMOTE_DIR / f"part{i + 1}" for i in range(PARTS)]
+def join(checksum: Path, out: Path | None = None) -> Path:
+    """Joins the parts named in `checksum`'s folder into `out` and checks the sha256."""
+    if not checksum.is_file():
+        raise SplitError(f"{checksum} does not exist: `split` writes it beside the parts")
+    expected, name = checksum.read_text().split(maxsplit=1)
+    name = name.strip().lstrip("*")
+    pattern = re.compile(rf"{re.escape(name)}\.part(\d+)of(\d+)")
+    found = {m.groups(): p for p in checksum.parent.iterdir() if (m := pattern.fullmatch(p.name))}
+    counts = {int(count) for _, count in found}
+    if not found:
+        raise SplitError(f"no {name}.partNofM beside {checksum}")
+    if len(counts) > 1:
+        raise SplitError(f"{checksum.parent} holds parts of splits into {sorted(counts)} parts: keep one split")
+    count = counts.pop()
+    parts = [checksum.parent / part_name(name, i, count) for i in range(1, count + 1)]
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
-        raise UserError(f"{REMOTE_DIR} lacks {', '.join(missing)}: run `put-part` for each first")
-    joined = REMOTE_DIR / JOINED_NAME
-    with joined.open("wb") as out:
+        raise SplitError(f"{checksum.parent} lacks {', '.join(missing)}")
+    out = out or checksum.parent / name
+    with out.open("wb") as joined:
         for part in parts:
             with part.open("rb") as f:
-                shutil.copyfileobj(f, out)
-    expected = checksum.read_text().split()[0]
-    if sha256_of(joined) != expected:
-        joined.unlink()
-        raise UserError(f"joined GGUF does not match {checksum}: the parts are from two splits; redo both")
-    print(joined)
-    return joined
+                shutil.copyfileobj(f, joined, CHUNK)
+    if sha256_of(out) != expected:
+        out.unlink()
+        raise SplitError(f"the joined file does not match {checksum}: the parts come from different files")
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m infer.stage_gguf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python tools/split_file.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("split", help=f"cut the installed GGUF into .stage/part1..{PARTS} and write .stage/sha256")
-    put = sub.add_parser("put-part", help="copy .stage/partN to /root/stage/ (on the GPU machine)")
-    put.add_argument("n", type=int, choices=range(1, PARTS + 1))
-    sub.add_parser("join", help="join /root/stage/part* into the GGUF and check its sha256")
+    cut = sub.add_parser("split", help="cut FILE into --parts pieces and write NAME.sha256")
+    cut.add_argument("file", type=Path)
+    cut.add_argument("--parts", type=int, required=True)
+    cut.add_argument("--out-dir", type=Path, help="where the parts go (default: FILE's folder)")
+    put_together = sub.add_parser("join", help="join the parts beside NAME.sha256 and check the sha256")
+    put_together.add_argument("checksum", type=Path)
+    put_together.add_argument("--out", type=Path, help="the joined file (default: NAME beside the checksum)")
     args = parser.parse_args(argv)
     try:
         if args.command == "split":
-            split()
-        elif args.command == "put-part":
-            put_part(args.n)
+            for path in split(args.file, args.parts, args.out_dir):
+                print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
         else:
-            join()
-    except UserError as e:
-        sys.exit(f"error: {e}")
+            print(join(args.checksum, args.out))
+    except SplitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

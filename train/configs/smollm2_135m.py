@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct, the embedded demo target (8k context), on one H200.
 
 Both stages read the corpus that `train/build_corpus.py` writes, gzipped, to `.stage/corpus`
-(git-ignored, carried to the GPU machine; see DATA.md). Stage 2 trains at the target's full 8k
-window, starting from stage 1's exported draft. `infer/gpu_issue7.sh` runs both on the H200.
+(git-ignored; see DATA.md). Stage 2 trains at the target's full 8k window, starting from stage 1's
+exported draft. `benchmarks/smollm2_draft_pipeline.sh` builds the corpus, runs both and benchmarks the draft.
 
 Step counts are sized from FLOPs so that stage 1 takes about 4 min and stage 2 about 1 min on one
 H200 at ~40 % of its ~700 TFLOP/s usable bf16 peak = 280 TFLOP/s. Per trained token:
