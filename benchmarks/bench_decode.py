@@ -38,21 +38,11 @@ from longspec_jax.generation import (
     timed,
 )
 from longspec_jax.model import init_cache
+from longspec_jax.model_shapes import timing_shape
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.target import random_target
 
-VICUNA_7B = ModelConfig(
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=32,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=65536,
-)
+VICUNA_7B = timing_shape("vicuna7b", 65536)
 TINY = ModelConfig(
     model_type="llama",
     vocab_size=128,

@@ -35,37 +35,15 @@ from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import StopRule, ar_decode, ar_start, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.model import init_cache
+from longspec_jax.model_shapes import timing_shape
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.speculative import LoopConfig, drafter_for, profile_round, spec_decode, spec_start
 from longspec_jax.target import random_target
 from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
 
 SHAPES = {
-    "vicuna7b": ModelConfig(
-        model_type="llama",
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=32,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-    ),
-    "llama3_8b": ModelConfig(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-    ),
+    "vicuna7b": timing_shape("vicuna7b", 131072),
+    "llama3_8b": timing_shape("llama31_8b", 131072),  # Llama-3-8B and 3.1 differ only in RoPE scaling
     "tiny": ModelConfig(
         model_type="llama",
         vocab_size=128,

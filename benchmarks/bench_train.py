@@ -42,8 +42,9 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftBlock
 from longspec_jax.errors import UserError
 from longspec_jax.model import Transformer
+from longspec_jax.model_shapes import MODEL_SHAPES
 from train import sharding
-from train.configs import tiny, vicuna7b
+from train.configs import tiny
 from train.step import StepConfig, compile_step, init_state
 
 
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = tiny.MODEL if args.small else vicuna7b.MODEL
+    model = tiny.MODEL if args.small else MODEL_SHAPES["vicuna7b"]
     dtype = "float32" if args.small else "bfloat16"
     max_offset = 1024 if args.small else 15_000
     if args.one:
