@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     copy_bytes = 2**24 if args.small else 2**32
 
     print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
+        f"| jax {jax.__version__}"
     )
     bandwidth = measure_bandwidth(copy_bytes, max(args.repeats, 3))
     print(f"bandwidth (elementwise pass over {copy_bytes / 2**30:.2f} GiB, read + write): {bandwidth / 1e9:.0f} GB/s")
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     jax.block_until_ready(params)
     weight_bytes = cache_bytes(params)
     print(
-        f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: {weight_bytes / 1e9:.2f} GB of weights "
+        f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: "
+        f"{weight_bytes / 1e9:.2f} GB of weights "
         f"(random, built in {time.perf_counter() - t0:.0f} s)"
     )
 
@@ -161,10 +163,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows.append(row)
 
     print(
-        f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; floor = (weights + KV) / bandwidth"
+        f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; "
+        "floor = (weights + KV) / bandwidth"
     )
     print(
-        f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}{'alone ms':>10}{'loop/alone':>11}"
+        f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}"
+        f"{'alone ms':>10}{'loop/alone':>11}"
     )
     for r in rows:
         if r.error:

@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     dtype = "float32" if args.small else "bfloat16"
 
     print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
+        f"| jax {jax.__version__}"
     )
     rows = []
     for shape in shapes:
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         graphdef, params = nnx.split(target.model)
         jax.block_until_ready(params)
         print(
-            f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
+            f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, "
+            f"draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
             f"(random, built in {time.perf_counter() - t0:.0f} s)"
         )
         for context in contexts:
@@ -213,21 +215,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
         del target, draft, params
 
     print(
-        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
-        f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
+        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, "
+        f"{rounds} rounds per timing, median of {args.repeats}. "
+        f"PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
     )
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
     print(
-        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
-        f"{'proj. x':>9}{'draft MiB':>11}"
+        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}"
+        f"{'AR ms':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
             print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
             continue
         print(
-            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
-            f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
+            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
+            f"{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
+            f"{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
         )
     return rows
 

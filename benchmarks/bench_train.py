@@ -236,7 +236,8 @@ def table(results: list[dict], peak_tflops: float) -> str:
         lines.append(
             f"| {r['seq_len']} | {r['devices']} | {r['micro_batch'] * r['devices']} | {r['step_s'] * 1e3:.1f} "
             f"| {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.1f} | "
-            f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} | {r['compile_s']:.0f} |"
+            f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} "
+            f"| {r['compile_s']:.0f} |"
         )
     return "\n".join(lines)
 
