@@ -5,9 +5,9 @@
 
 For each attention implementation and context S it times `generation.ar_decode` (the on-device
 while_loop that `generate` uses) over --steps steps with S tokens already in the cache, and the
-same step as its own jitted program chained from the host (`ar_single_step`): GPU.md says a step
-inside the device loop must cost about the same as alone (stacked layers did not; ours are
-unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
+same step as its own jitted program chained from the host (`ar_single_step`): docs/GPU_NOTES.md
+says a step inside the device loop must cost about the same as alone (stacked layers did not; ours
+are unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
 bandwidth measured in the same run by a large device-to-device elementwise copy (bytes read +
 written). The table comes last.
 

@@ -1,6 +1,6 @@
 """Vicuna-7B-v1.5-16k (Llama-2, linear RoPE x4, 16k context) on 8x A100-80GB, as in the paper.
 
-MAX_LEN is 15k for this target (SPEC.md 4); its long stage uses its full 16k context, not 32k.
+MAX_LEN is 15k for this target (docs/ALGORITHM.md 4); its long stage uses its full 16k context, not 32k.
 Download the checkpoint and data yourself, then:
 `python -m train.run --config vicuna7b.py --target PATH --data PATH [--stage 2]`.
 """
