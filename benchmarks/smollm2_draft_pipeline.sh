@@ -16,6 +16,7 @@
 # summary last. Knobs (environment), also for quick CPU runs with tiny step counts:
 #   PYTHON (python3)  OUT (/tmp/smollm2_draft)  TARGET (the embedded SmolLM2-135M-Instruct GGUF)
 #   RUNS (runs/smollm2_135m, the config's output_dir)  CORPUS_DIR (/tmp/smollm2_corpus: build_corpus's output)
+#   CORPUS_MB: cap on the corpus's training text in MB (build_corpus --max-mb; default: all of it)
 #   STEPS1 / STEPS2: max_steps of each stage (default: the config's)
 #   TRAIN_SET1 / TRAIN_SET2: extra space-separated key=value overrides for train.run --set
 #   TRAIN1_S / TRAIN2_S: each stage's time_limit_s (load and compile included; default: none): the
@@ -41,8 +42,10 @@ elapsed() { echo "$((SECONDS - START)) s"; }
 cmd_prepare() {
     [ -d /usr/share/doc/python3-doc/html/_sources ] || echo "note: no python3-doc: the corpus lacks its docs half (DATA.md)"
     local corpus=${CORPUS_DIR:-/tmp/smollm2_corpus} f
-    "$PY" -m train.build_corpus --out "$corpus" || { echo "== prepare FAILED: train.build_corpus"; return 1; }
-    mkdir -p "$CORPUS"
+    local args=(--out "$corpus")
+    if [ -n "${CORPUS_MB:-}" ]; then args+=(--max-mb "$CORPUS_MB"); fi
+    "$PY" -m train.build_corpus "${args[@]}" || { echo "== prepare FAILED: train.build_corpus"; return 1; }
+    rm -rf "$CORPUS" && mkdir -p "$CORPUS"
     for f in "$corpus"/train/*.jsonl; do gzip -9nc "$f" >"$CORPUS/$(basename "$f").gz"; done
     echo "== prepare summary ($(elapsed))"
     du -sh "$CORPUS"
