@@ -21,7 +21,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from longspec_jax.errors import UserError
 from pallas_kernels import flash_block as fb
 
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
@@ -135,7 +134,7 @@ def cache_attention(
     """
     fb.check_grouped_shapes(q, k_cache, v_cache, "cache_attention")
     if cache_len.shape != (q.shape[0],):
-        raise UserError(f"cache_attention: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
+        raise ValueError(f"cache_attention: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     interpret = fb.default_interpret() if interpret is None else interpret
     return _cache_attention(

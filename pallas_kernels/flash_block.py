@@ -19,8 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from longspec_jax.errors import UserError
-
 # Triton's tensor-core dot needs every tile dim >= 16.
 MIN_BLOCK = 16
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -42,18 +40,18 @@ def block_size(n: int, cap: int) -> int:
 
 
 def check_grouped_shapes(q, k, v, what: str) -> None:
-    """UserError unless q [B,T,Hq,D], k/v [B,N,Hkv,D] agree and Hq is a multiple of Hkv."""
+    """ValueError unless q [B,T,Hq,D], k/v [B,N,Hkv,D] agree and Hq is a multiple of Hkv."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise UserError(
+        raise ValueError(
             f"{what}: expected q [B,T,Hq,D] and k, v [B,N,Hkv,D] of equal shape; got "
             f"q {q.shape}, k {k.shape}, v {v.shape}"
         )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise UserError(f"{what}: q {q.shape} and k {k.shape} must share batch and head dim")
+        raise ValueError(f"{what}: q {q.shape} and k {k.shape} must share batch and head dim")
     if q.shape[2] % k.shape[2]:
-        raise UserError(f"{what}: query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
+        raise ValueError(f"{what}: query heads ({q.shape[2]}) must be a multiple of KV heads ({k.shape[2]})")
     if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise UserError(
+        raise ValueError(
             f"{what}: the Pallas kernels support head dim {SUPPORTED_HEAD_DIMS}, got "
             f"{q.shape[3]}; use impl='xla' or 'cudnn'"
         )

@@ -18,7 +18,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from longspec_jax.errors import UserError
 from pallas_kernels import flash_block as fb
 
 
@@ -99,7 +98,7 @@ def masked_attention(
     """
     fb.check_grouped_shapes(q, k, v, "masked_attention")
     if mask.shape != (q.shape[0], q.shape[1], k.shape[1]):
-        raise UserError(
+        raise ValueError(
             f"masked_attention: mask must be [B,T,N] = {(q.shape[0], q.shape[1], k.shape[1])}, got {mask.shape}"
         )
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)

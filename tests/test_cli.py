@@ -116,7 +116,7 @@ def test_process_exits_2_without_traceback(tmp_path):
 
 
 def test_bench_decode_smoke_run(capsys):
-    from infer.bench_decode import main as bench_main
+    from benchmarks.bench_decode import main as bench_main
 
     rows = bench_main(["--small", "--contexts", "32", "--steps", "2", "--repeats", "1"])
     assert [(r.impl, r.context, r.error) for r in rows] == [("xla", 32, "")]

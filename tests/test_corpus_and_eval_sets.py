@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from infer import benchmark, build_eval_sets, plot_results
+from benchmarks import plot_results
+from infer import benchmark, build_eval_sets
 from infer.build_eval_sets import SUMMARY_INSTRUCTION, EvalSpec
 from longspec_jax.errors import UserError
 from train.build_corpus import Document, Source, build_corpus, default_sources, split_of

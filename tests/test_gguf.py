@@ -325,30 +325,6 @@ def test_missing_or_broken_file_is_a_user_error(tmp_path):
         read_gguf(tmp_path / "junk.gguf")
 
 
-def test_staging_splits_and_joins_the_embedded_gguf(tmp_path, monkeypatch, capsys):
-    from infer import stage_gguf
-
-    monkeypatch.setattr(stage_gguf, "LOCAL_DIR", tmp_path / "local")
-    monkeypatch.setattr(stage_gguf, "REMOTE_DIR", tmp_path / "remote")
-    stage_gguf.main(["split"])
-    parts = sorted((tmp_path / "local").glob("part*"))
-    assert len(parts) == stage_gguf.PARTS and all(p.stat().st_size < 40 * 2**20 for p in parts)
-    for n in range(1, stage_gguf.PARTS):
-        stage_gguf.main(["put-part", str(n)])
-    with pytest.raises(SystemExit, match=f"lacks part{stage_gguf.PARTS}"):
-        stage_gguf.main(["join"])
-    stage_gguf.main(["put-part", str(stage_gguf.PARTS)])
-    capsys.readouterr()
-    stage_gguf.main(["join"])
-    joined = tmp_path / "remote" / stage_gguf.JOINED_NAME
-    assert capsys.readouterr().out.strip() == str(joined)
-    assert joined.read_bytes() == smollm2_gguf_path().read_bytes()
-
-    (tmp_path / "remote" / "part2").write_bytes(b"a part from another split")
-    with pytest.raises(SystemExit, match="does not match"):
-        stage_gguf.main(["join"])
-
-
 def test_embedded_target_names_its_shipped_draft():
     # By content (tests/test_shipped_draft.py covers copies and other GGUFs).
     assert embedded.shipped_draft_for_gguf(smollm2_gguf_path()) == embedded.default_draft_dir()

@@ -11,6 +11,7 @@ from flax import nnx
 from longspec_jax import UserError, init_cache, random_target
 from longspec_jax import commit as _commit_eager
 from longspec_jax.model import Transformer
+from longspec_jax.model_shapes import MODEL_SHAPES
 from tests.tiny_models import tiny_config
 
 ATOL = 2e-5
@@ -211,34 +212,14 @@ def test_prefill_longer_than_cache_is_a_user_error(target):
 
 
 @pytest.mark.parametrize(
-    "overrides, expected",
-    [  # published parameter counts of Llama-2-7B, Llama-3.1-8B and Qwen2.5-7B
+    "config, expected",
+    [  # published parameter counts of Llama-2-7B (Vicuna-7B's shape), Llama-3.1-8B, QwQ-32B, SmolLM2-135M, Qwen2.5-7B
+        (MODEL_SHAPES["vicuna7b"], 6_738_415_616),
+        (MODEL_SHAPES["llama31_8b"], 8_030_261_248),
+        (MODEL_SHAPES["qwq32b"], 32_763_876_352),
+        (MODEL_SHAPES["smollm2_135m"], 134_515_008),
         (
-            dict(
-                vocab_size=32000,
-                hidden_size=4096,
-                intermediate_size=11008,
-                num_layers=32,
-                num_heads=32,
-                num_kv_heads=32,
-                head_dim=128,
-            ),
-            6_738_415_616,
-        ),
-        (
-            dict(
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_layers=32,
-                num_heads=32,
-                num_kv_heads=8,
-                head_dim=128,
-            ),
-            8_030_261_248,
-        ),
-        (
-            dict(
+            tiny_config(
                 model_type="qwen2",
                 vocab_size=152064,
                 hidden_size=3584,
@@ -253,9 +234,9 @@ def test_prefill_longer_than_cache_is_a_user_error(target):
         ),
     ],
 )
-def test_full_size_parameter_counts(overrides, expected):
+def test_full_size_parameter_counts(config, expected):
     # eval_shape: shapes only, nothing materialised.
-    model = nnx.eval_shape(lambda: Transformer(tiny_config(**overrides), dtype="bfloat16", rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Transformer(config, dtype="bfloat16", rngs=nnx.Rngs(0)))
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert sum(p.size for p in params) == expected
     assert {p.dtype for p in params} == {jnp.dtype("bfloat16")}

@@ -1,4 +1,4 @@
-"""The paper's training stages (SPEC.md 4), shared by the per-target config files.
+"""The paper's training stages (docs/ALGORITHM.md 4), shared by the per-target config files.
 
 Stage 1: short general text with anchor-offset positions; stage 2: long documents; stage 3: long SFT
 data (LongCoT, used for QwQ). Batch sizes count sequences per optimiser step. The long stages'

@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct, the embedded demo target (8k context), on one H200.
 
 Both stages read the corpus that `train/build_corpus.py` writes, gzipped, to `.stage/corpus`
-(git-ignored, carried to the GPU machine; see DATA.md). Stage 2 trains at the target's full 8k
-window, starting from stage 1's exported draft. `infer/gpu_issue7.sh` runs both on the H200.
+(git-ignored; see DATA.md). Stage 2 trains at the target's full 8k window, starting from stage 1's
+exported draft. `benchmarks/smollm2_draft_pipeline.sh` builds the corpus, runs both and benchmarks the draft.
 
 Step counts are sized from FLOPs so that stage 1 takes about 4 min and stage 2 about 1 min on one
 H200 at ~40 % of its ~700 TFLOP/s usable bf16 peak = 280 TFLOP/s. Per trained token:
@@ -19,25 +19,10 @@ Stage 2: 777 MFLOP/token -> 360 k tokens/s; 60 s -> 21.6 M tokens
 Measured on the H200 (BENCHMARKS.md): 498 k and 412 k tokens/s, 4 min 40 s and 62 s of steps.
 """
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.model_shapes import MODEL_SHAPES
 from train.config import EMBEDDED_TARGET, Stage, TrainConfig
 
-MODEL = ModelConfig(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
+MODEL = MODEL_SHAPES["smollm2_135m"]
 
 CORPUS = (".stage/corpus",)  # relative to the repository root, where train.run is started
 

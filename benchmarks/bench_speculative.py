@@ -1,7 +1,7 @@
 """Per-round cost of LongSpec speculative decoding on 7B-shaped random-weight targets (GPU).
 
-    python -m infer.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
-    python -m infer.bench_speculative --small            # tiny config on CPU: a smoke test of this script
+    python -m benchmarks.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
+    python -m benchmarks.bench_speculative --small            # tiny config on CPU: a smoke test of this script
 
 For each target shape and context S (tokens already in the target cache, zeros: attention and
 matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
@@ -35,37 +35,15 @@ from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import StopRule, ar_decode, ar_start, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.model import init_cache
+from longspec_jax.model_shapes import timing_shape
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.speculative import LoopConfig, drafter_for, profile_round, spec_decode, spec_start
 from longspec_jax.target import random_target
 from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
 
 SHAPES = {
-    "vicuna7b": ModelConfig(
-        model_type="llama",
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=32,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-    ),
-    "llama3_8b": ModelConfig(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_position_embeddings=131072,
-    ),
+    "vicuna7b": timing_shape("vicuna7b", 131072),
+    "llama3_8b": timing_shape("llama31_8b", 131072),  # Llama-3-8B and 3.1 differ only in RoPE scaling
     "tiny": ModelConfig(
         model_type="llama",
         vocab_size=128,
@@ -169,7 +147,7 @@ def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_speculative", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_speculative", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny config on CPU (smoke test)")
     p.add_argument("--shapes", help=f"comma-separated target shapes of {sorted(SHAPES)} (default vicuna7b,llama3_8b)")
     p.add_argument("--contexts", help="comma-separated contexts (default 4096,16384,32768,65536; --small 64,256)")
@@ -187,7 +165,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     dtype = "float32" if args.small else "bfloat16"
 
     print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
+        f"| jax {jax.__version__}"
     )
     rows = []
     for shape in shapes:
@@ -197,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         graphdef, params = nnx.split(target.model)
         jax.block_until_ready(params)
         print(
-            f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
+            f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, "
+            f"draft {cache_bytes(nnx.state(draft.block)) / 1e9:.2f} GB "
             f"(random, built in {time.perf_counter() - t0:.0f} s)"
         )
         for context in contexts:
@@ -235,21 +215,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
         del target, draft, params
 
     print(
-        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, {rounds} rounds per timing, "
-        f"median of {args.repeats}. PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
+        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, "
+        f"{rounds} rounds per timing, median of {args.repeats}. "
+        f"PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
     )
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
     print(
-        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}{'AR ms':>8}{'AR tok/s':>10}"
-        f"{'proj. x':>9}{'draft MiB':>11}"
+        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}"
+        f"{'AR ms':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
             print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
             continue
         print(
-            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}"
-            f"{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
+            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
+            f"{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
+            f"{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
         )
     return rows
 

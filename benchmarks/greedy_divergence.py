@@ -1,6 +1,6 @@
 """Where and why greedy speculative output departs from greedy AR output in low precision.
 
-    python -m infer.greedy_divergence --eval-dir infer/eval_sets/smollm2 [--mode longspec|pld]
+    python -m benchmarks.greedy_divergence --eval-dir infer/eval_sets/smollm2 [--mode longspec|pld]
         [--dtype bfloat16] [--limit 3] [--max-new-tokens 64] [--target PATH] [--draft PATH]
 
 Lossless decoding is exact in float32 (tests/test_speculative.py). In bfloat16 the target's
@@ -40,7 +40,7 @@ def last_logits(generator, tokens: list[int]) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infer.greedy_divergence", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.greedy_divergence", description=__doc__.splitlines()[0])
     p.add_argument("--eval-dir", required=True)
     p.add_argument("--tasks", default="code_completion,summarisation")
     p.add_argument("--mode", choices=("longspec", "pld"), default="longspec")

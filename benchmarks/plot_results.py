@@ -1,6 +1,6 @@
 """Plot a benchmark's results: tokens/s per mode per task, and tau against prefill length.
 
-    python -m infer.plot_results RESULTS --out docs/results.png [--temperature 0] [--tau-from RESULTS] [--title T]
+    python -m benchmarks.plot_results RESULTS --out docs/results.png [--temperature 0] [--tau-from RESULTS] [--title T]
 
 RESULTS: the JSON of `python -m infer.benchmark --json-out`, or a `--runs-out` jsonl file. Speeds
 come from RESULTS; tau against prefill length from --tau-from when given (tau does not depend on
@@ -94,7 +94,7 @@ def default_title(report: dict, temperature: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infer.plot_results", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plot_results", description=__doc__.splitlines()[0])
     p.add_argument("results", type=Path, help="JSON of `infer.benchmark --json-out` or a `--runs-out` jsonl file")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,13 +1,13 @@
 """AR decode speed of a 7B-shaped random-weight target against its memory floor (GPU).
 
-    python -m infer.bench_decode                  # Vicuna-7B shape, bf16, contexts 4k and 32k, xla + cudnn
-    python -m infer.bench_decode --small          # tiny config on CPU: a smoke test of this script
+    python -m benchmarks.bench_decode                  # Vicuna-7B shape, bf16, contexts 4k and 32k, xla + cudnn
+    python -m benchmarks.bench_decode --small          # tiny config on CPU: a smoke test of this script
 
 For each attention implementation and context S it times `generation.ar_decode` (the on-device
 while_loop that `generate` uses) over --steps steps with S tokens already in the cache, and the
-same step as its own jitted program chained from the host (`ar_single_step`): GPU.md says a step
-inside the device loop must cost about the same as alone (stacked layers did not; ours are
-unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
+same step as its own jitted program chained from the host (`ar_single_step`): docs/GPU_NOTES.md
+says a step inside the device loop must cost about the same as alone (stacked layers did not; ours
+are unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
 bandwidth measured in the same run by a large device-to-device elementwise copy (bytes read +
 written). The table comes last.
 
@@ -38,21 +38,11 @@ from longspec_jax.generation import (
     timed,
 )
 from longspec_jax.model import init_cache
+from longspec_jax.model_shapes import timing_shape
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.target import random_target
 
-VICUNA_7B = ModelConfig(
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=32,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=65536,
-)
+VICUNA_7B = timing_shape("vicuna7b", 65536)
 TINY = ModelConfig(
     model_type="llama",
     vocab_size=128,
@@ -119,7 +109,7 @@ def bench_one(
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    p = argparse.ArgumentParser(prog="python -m infer.bench_decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_decode", description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny config on CPU (smoke test)")
     p.add_argument("--contexts", help="comma-separated context lengths (default 4096,32768; --small 32,64)")
     p.add_argument("--impls", help="attention implementations (default xla,cudnn; --small xla)")
@@ -134,7 +124,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     copy_bytes = 2**24 if args.small else 2**32
 
     print(
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
+        f"| jax {jax.__version__}"
     )
     bandwidth = measure_bandwidth(copy_bytes, max(args.repeats, 3))
     print(f"bandwidth (elementwise pass over {copy_bytes / 2**30:.2f} GiB, read + write): {bandwidth / 1e9:.0f} GB/s")
@@ -144,7 +135,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     jax.block_until_ready(params)
     weight_bytes = cache_bytes(params)
     print(
-        f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: {weight_bytes / 1e9:.2f} GB of weights "
+        f"target {config.num_layers} layers, hidden {config.hidden_size}, {dtype}: "
+        f"{weight_bytes / 1e9:.2f} GB of weights "
         f"(random, built in {time.perf_counter() - t0:.0f} s)"
     )
 
@@ -171,10 +163,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
             rows.append(row)
 
     print(
-        f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; floor = (weights + KV) / bandwidth"
+        f"\nAR decode, batch {args.batch}, {steps} steps per timing, median of {args.repeats}; "
+        "floor = (weights + KV) / bandwidth"
     )
     print(
-        f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}{'alone ms':>10}{'loop/alone':>11}"
+        f"{'impl':<7}{'context':>8}{'ms/step':>10}{'tok/s':>9}{'floor ms':>10}{'floor/step':>11}"
+        f"{'alone ms':>10}{'loop/alone':>11}"
     )
     for r in rows:
         if r.error:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The inference benchmarks on one H200, in one call: AR decode (issue 2), LongSpec rounds (issue 6,
-# one process per target shape), hybrid tree attention (issue 3). Each script checks correctness
-# first, then times, and prints its table last; full logs go to $OUT.
-# Usage (from the repo root): [SECTIONS="decode speculative attention"] bash infer/gpu_benchmarks.sh
+# The inference micro-benchmarks on one H200, one after the other: AR decode (bench_decode), LongSpec
+# rounds (bench_speculative, one process per target shape) and hybrid tree attention (bench_attention).
+# Each script checks correctness first, then times, and prints its table last; full logs go to $OUT.
+# Usage (from the repo root): [SECTIONS="decode speculative attention"] bash benchmarks/run_gpu_benchmarks.sh
 #   SPEC_SHAPES (vicuna7b llama3_8b)  SPEC_CONTEXTS (4096,16384,32768,65536)  SPEC_S (200 per shape)
-#   ATTN_ARGS (extra infer.bench_attention flags)  ATTN_S (130)
+#   ATTN_ARGS (extra benchmarks.bench_attention flags)  ATTN_S (130)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS="ignore::DeprecationWarning"
 OUT=${OUT:-/tmp/bench_out}
@@ -15,17 +15,17 @@ logs=()
 for section in $SECTIONS; do
     case $section in
         decode)
-            timeout 150 python3 -m infer.bench_decode 2>&1 | tee "$OUT/decode.txt"; logs+=(decode) ;;
+            timeout 150 python3 -m benchmarks.bench_decode 2>&1 | tee "$OUT/decode.txt"; logs+=(decode) ;;
         speculative)
             for shape in ${SPEC_SHAPES:-vicuna7b llama3_8b}; do
-                timeout "${SPEC_S:-200}" python3 -m infer.bench_speculative --impl pallas --rounds 16 --repeats 3 \
+                timeout "${SPEC_S:-200}" python3 -m benchmarks.bench_speculative --impl pallas --rounds 16 --repeats 3 \
                     --shapes "$shape" --contexts "${SPEC_CONTEXTS:-4096,16384,32768,65536}" 2>&1 \
                     | tee "$OUT/speculative_$shape.txt"
                 logs+=("speculative_$shape")
             done ;;
         attention)
             # shellcheck disable=SC2086
-            timeout "${ATTN_S:-130}" python3 -m infer.bench_attention --budget-s $((${ATTN_S:-130} - 30)) \
+            timeout "${ATTN_S:-130}" python3 -m benchmarks.bench_attention --budget-s $((${ATTN_S:-130} - 30)) \
                 --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention.txt"
             logs+=(attention) ;;
         *) echo "unknown section $section (decode, speculative, attention)"; exit 2 ;;

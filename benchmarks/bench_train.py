@@ -2,18 +2,17 @@
 (`train.step`) for a random-weight Vicuna-7B-shaped target + its draft, at seq 1k and 16k, on 1 GPU
 and sharded (FSDP) over 2 GPUs, with the 2-GPU / 1-GPU scaling ratio. Prints a table last.
 
-    python -m train.bench_train              # on the GPU machine (each case in a fresh process)
-    python -m train.bench_train --seqs 1024 --out train_1024.jsonl     # a subset per call, saved
-    python -m train.bench_train --seqs 16384 --out train_16384.jsonl
-    python -m train.bench_train --merge train_1024.jsonl train_16384.jsonl   # the table of both
-    python -m train.bench_train --small      # CPU smoke test: tiny shapes, in one process
+    python -m benchmarks.bench_train              # on a GPU machine (each case in a fresh process)
+    python -m benchmarks.bench_train --seqs 1024 --out train_1024.jsonl     # a subset per run, saved
+    python -m benchmarks.bench_train --seqs 16384 --out train_16384.jsonl
+    python -m benchmarks.bench_train --merge train_1024.jsonl train_16384.jsonl   # the table of both
+    python -m benchmarks.bench_train --small      # CPU smoke test: tiny shapes, in one process
 
 Each case runs in its own process under --case-timeout seconds (default 240: building the 7B
 target, compiling its step and running it take minutes); its JSON line is printed (and appended to
 --out) as soon as it ends, so a later case that times out loses nothing already measured. A case
 reports its build, compile and warm-up seconds apart from the step time: 1 warm-up step (the first
-run of the compiled step with donated buffers), then --steps timed ones. --out file names may hold
-only letters, digits, '.', '_' and '-' (the GPU machine's file transfer drops other characters).
+run of the compiled step with donated buffers), then --steps timed ones.
 
 Uses no data pipeline (random tokens, fresh each step), so it needs neither grain nor datasets.
 MFU counts the step's useful matmul FLOPs (target forward without LM head and last attention/MLP;
@@ -27,7 +26,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -42,8 +40,9 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftBlock
 from longspec_jax.errors import UserError
 from longspec_jax.model import Transformer
+from longspec_jax.model_shapes import MODEL_SHAPES
 from train import sharding
-from train.configs import tiny, vicuna7b
+from train.configs import tiny
 from train.step import StepConfig, compile_step, init_state
 
 
@@ -201,7 +200,7 @@ def _run_isolated(case: Case, args) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "train.bench_train",
+        "benchmarks.bench_train",
         "--one",
         f"{case.seq_len},{case.devices},{case.micro_batch}",
         "--steps",
@@ -235,7 +234,8 @@ def table(results: list[dict], peak_tflops: float) -> str:
         lines.append(
             f"| {r['seq_len']} | {r['devices']} | {r['micro_batch'] * r['devices']} | {r['step_s'] * 1e3:.1f} "
             f"| {r['tokens_per_s']:.0f} | {r['tflops_per_device']:.1f} | "
-            f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} | {r['compile_s']:.0f} |"
+            f"{r['tflops_per_device'] / peak_tflops:.1%} | {peak} | {scaling} | {r['build_s']:.0f} "
+            f"| {r['compile_s']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -249,19 +249,6 @@ def print_report(results: list[dict], peak_tflops: float) -> None:
     )
     print(f"# {'; '.join(described) or 'no case finished'}: random target + draft")
     print(table(results, peak_tflops))
-
-
-SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def check_out_path(path: str) -> Path:
-    name = Path(path).name
-    if not SAFE_NAME.fullmatch(name):
-        raise UserError(
-            f"--out {path!r}: use a file name of letters, digits, '.', '_' and '-' only "
-            "(the GPU machine's file transfer drops other characters), e.g. train_1024.jsonl"
-        )
-    return Path(path)
 
 
 def read_results(paths: list[str]) -> list[dict]:
@@ -300,11 +287,11 @@ def main(argv=None) -> int:
         if args.merge:
             print_report(read_results(args.merge), args.peak_tflops)
             return 0
-        out_path = check_out_path(args.out) if args.out else None
+        out_path = Path(args.out) if args.out else None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = tiny.MODEL if args.small else vicuna7b.MODEL
+    model = tiny.MODEL if args.small else MODEL_SHAPES["vicuna7b"]
     dtype = "float32" if args.small else "bfloat16"
     max_offset = 1024 if args.small else 15_000
     if args.one:
