@@ -1,4 +1,4 @@
-"""Anchor-Offset Indices (SPEC.md 4): training positions [0, 1, .., a-1, o+a, o+a+1, ..].
+"""Anchor-Offset Indices (docs/ALGORITHM.md 4): training positions [0, 1, .., a-1, o+a, o+a+1, ..].
 
 The draft is trained on short sequences but runs at large positions, and its RoPE cannot change
 (it reads the target's rotated keys). Shifting all but the first `num_anchors` positions by a

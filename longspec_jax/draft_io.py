@@ -6,7 +6,7 @@
         sharded) or pytorch_model.bin, or a single .safetensors file;
   (iii) the reference's training state dicts (.pth / .pt / .bin, torch needed), where the block's
         tensors carry a `draft_model.` prefix.
-All three use the reference's tensor names (SPEC.md 3), HF layout ([out, in] linear weights). Any
+All three use the reference's tensor names (docs/ALGORITHM.md 3), HF layout ([out, in] linear weights). Any
 prefix before them (`draft_model.`, `model.layers.0.`, ...) is found from the one tensor only the
 draft has, post_cross_attention_layernorm.weight. cross_attn.k_proj / v_proj are unused by the
 model (it reads the target's K/V) and are skipped. Every shape is checked against the target.

@@ -35,7 +35,6 @@ import hashlib
 import importlib.metadata
 import json
 import mmap
-import os
 import shutil
 import tempfile
 import time
@@ -47,7 +46,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-CACHE_ENV = "LONGSPEC_CACHE"
+from longspec_jax.compile_cache import CACHE_ENV, cache_root
+
 MANIFEST = "manifest.json"
 TENSORS_FILE = "model.safetensors"
 _CONFIG_KEY = "hf_config"
@@ -59,12 +59,6 @@ _TEMP_PREFIX = ".tmp-"
 _ABANDONED_AFTER_S = 3600
 
 _digests: dict[tuple, str] = {}
-
-
-def cache_root() -> Path:
-    """`$LONGSPEC_CACHE`, else `~/.cache/longspec_jax`."""
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "longspec_jax"
 
 
 def converter_fingerprint(module_file: str, *distributions: str) -> str:

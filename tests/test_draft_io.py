@@ -24,7 +24,7 @@ CFG = tiny_config()
 H, F = CFG.hidden_size, CFG.intermediate_size
 QD, KD = CFG.num_heads * CFG.head_dim, CFG.num_kv_heads * CFG.head_dim
 
-# The reference's tensor names and HF shapes (SPEC.md 3), written out here independently of
+# The reference's tensor names and HF shapes (docs/ALGORITHM.md 3), written out here independently of
 # draft_io's own mapping; cross_attn.k_proj / v_proj exist in the reference but are unused.
 REFERENCE_SHAPES = {
     "self_attn.q_proj.weight": (QD, H),

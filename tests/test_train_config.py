@@ -183,7 +183,7 @@ def test_plan_target_bytes_match_the_parameter_count_and_shard_over_fsdp():
     eight = sharding.config_memory_plan(cfg)
     assert 6.6e9 * 2 < one.target_weights < 6.8e9 * 2  # Vicuna-7B: ~6.74B parameters in bf16
     assert eight.target_weights == pytest.approx(one.target_weights / 8, rel=0.01)
-    # The draft is one block: ~236M parameters for a 7B target (SPEC.md 3), 16 B state + 2 B bf16 each.
+    # The draft is one block: ~236M parameters for a 7B target (docs/ALGORITHM.md 3), 16 B state + 2 B bf16 each.
     assert 0.2e9 * 18 < one.draft_state < 0.27e9 * 18
 
 

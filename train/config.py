@@ -1,7 +1,7 @@
 """Training configuration: frozen dataclasses, config files by name or path, `--set` overrides.
 
 A config file under `train/configs/` defines `config() -> TrainConfig`. The paper trains in stages
-(SPEC.md 4); a config lists them and `stage` (1-based) picks the one a run trains.
+(docs/ALGORITHM.md 4); a config lists them and `stage` (1-based) picks the one a run trains.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Stage:
     lr: float
     micro_batch_size: int = 1  # sequences per data-parallel shard per micro-step (accumulated)
     anchor_offset: bool = True
-    max_offset: int = 15_000  # MAX_LEN of SPEC.md 4: positions stay below it
+    max_offset: int = 15_000  # MAX_LEN of docs/ALGORITHM.md 4: positions stay below it
     max_steps: int = 0  # 0: one epoch over the data
     text_field: str = "text"  # plain-text records: every token is trained on
     prompt_field: str = "prompt"  # SFT records (prompt + response): only the response is trained on
@@ -52,7 +52,7 @@ class TrainConfig:
     num_gpus: int = 8
     gpu_name: str = "A100-80GB"
     gpu_memory_gb: float = 80.0
-    # Optimiser (SPEC.md 4, the reference's AdamW).
+    # Optimiser (docs/ALGORITHM.md 4, the reference's AdamW).
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-6

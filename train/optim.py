@@ -1,4 +1,4 @@
-"""The optimiser of SPEC.md 4: AdamW (0.9, 0.95, eps 1e-6, wd 0.1), linear warmup over the first
+"""The optimiser of docs/ALGORITHM.md 4: AdamW (0.9, 0.95, eps 1e-6, wd 0.1), linear warmup over the first
 10% of steps then cosine to zero, global-norm clipping at 1.0. Float32 state."""
 
 from __future__ import annotations
