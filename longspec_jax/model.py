@@ -238,6 +238,8 @@ class Transformer(nnx.Module):
             if config.tie_word_embeddings
             else nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dtype))
         )
+        # False sends one-token blocks through the general block path (benchmarks compare the two).
+        self.one_token_attention = True
 
     def _rope(self, positions: jax.Array) -> Rope:
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
@@ -315,7 +317,7 @@ class Transformer(nnx.Module):
         impl = _impl(attn_impl)
         rope = self._rope(positions)
         x = self.embed_tokens(tokens)
-        one_token = tokens.shape[1] == 1
+        one_token = tokens.shape[1] == 1 and self.one_token_attention
         if one_token:
             visible = cache.lengths + block_mask[:, 0, 0].astype(jnp.int32)
         new_k, new_v = [], []
