@@ -153,7 +153,7 @@ def test_decode_attention_matches_float64_reference(impl):
     """Fresh random inputs; lengths include an empty sequence (o = 0) and a full cache. Off GPU,
     "cudnn" falls back to XLA with a warning; "pallas" runs the kernel in interpret mode."""
     rng = np.random.default_rng(7)
-    b, hq, hkv, s, d = 3, 6, 2, 70, 32
+    b, hq, hkv, s, d = 3, 6, 2, 70, 64
     q = rng.standard_normal((b, 1, hq, d), np.float32)
     k = rng.standard_normal((b, s, hkv, d), np.float32)
     v = rng.standard_normal((b, s, hkv, d), np.float32)
