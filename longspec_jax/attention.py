@@ -244,3 +244,32 @@ FASTEST_GPU_IMPL = "pallas"
 def default_impl() -> str:
     """The attention implementation for the default backend: the fastest measured on GPU, xla elsewhere."""
     return FASTEST_GPU_IMPL if jax.default_backend() == "gpu" else "xla"
+
+
+def _decode_cudnn(q, k_cache, v_cache, lengths, scale):
+    reason = _cudnn_unusable(q)
+    if reason is not None:
+        _fallback_warning("decode_attention", reason)
+        return _cache_xla(q, k_cache, v_cache, lengths, scale)[0]
+    lengths = jnp.minimum(lengths.astype(jnp.int32), k_cache.shape[1])
+    # No residual needed here, so the public entry point serves (one cuDNN kernel, GQA native).
+    o = jax.nn.dot_product_attention(
+        q, k_cache, v_cache, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
+    )
+    return jnp.where((lengths == 0)[:, None, None, None], 0, o).astype(q.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "xla", scale=None):
+    """One new query per sequence against cache rows [0, lengths[b]) of k_cache/v_cache [B,S,Hkv,D],
+    the new token's own K/V already written there (AR decoding): one attention, no mask, no LSE
+    merge. q [B,1,Hq,D] -> o [B,1,Hq,D] in q.dtype; lengths[b] = 0 gives o = 0.
+
+    "pallas" runs the split-K cache kernel; "cudnn" cuDNN flash (XLA off GPU or for float32)."""
+    _check_impl(impl, "decode_attention")
+    if q.shape[1] != 1:
+        raise UserError(f"decode_attention takes one query per sequence, got {q.shape[1]}: use hybrid_tree_attention")
+    if impl == "pallas":
+        return pallas_cache.cache_attention(q, k_cache, v_cache, lengths, scale=scale)[0]
+    if impl == "cudnn":
+        return _decode_cudnn(q, k_cache, v_cache, lengths, scale)
+    return _cache_xla(q, k_cache, v_cache, lengths, scale)[0]

@@ -6,11 +6,19 @@ indexed inside a device loop get copied every step (GPU.md), per-layer arrays do
 Activations run in the parameter dtype; RMSNorm statistics, softmax and logits in float32.
 Attention math lives in `attention.py`; this file only projects, rotates and stores K/V.
 
+`Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
+each, and every forward computes RoPE's cos/sin once for all layers: a small model's decode step
+costs about one launch per kernel, not its bytes (GPU.md), so fewer, larger kernels decode faster.
+A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call,
+without the block attention and the LSE merge a larger block needs.
+
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +27,11 @@ from flax import nnx, struct
 from longspec_jax import attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
-from longspec_jax.rope import apply_rope, inverse_frequencies
+from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 
 INIT_STD = 0.02
+
+Rope = tuple[jax.Array, jax.Array]  # (cos, sin) of `rope.rope_tables`, shared by every layer
 
 
 @struct.dataclass
@@ -64,9 +74,13 @@ def commit(cache: KVCache, src: jax.Array, n_accept: jax.Array) -> KVCache:
     def compact(x):
         return _write_rows(x, gather(x, rows), cache.lengths)
 
+    # The barrier keeps XLA from fusing the caller's last write into these gathers: fused, the
+    # gather would read the buffer from before that write, which then could not update in place and
+    # every layer's cache got copied each step.
+    k, v = jax.lax.optimization_barrier((cache.k, cache.v))
     return cache.replace(
-        k=tuple(compact(x) for x in cache.k),
-        v=tuple(compact(x) for x in cache.v),
+        k=tuple(compact(x) for x in k),
+        v=tuple(compact(x) for x in v),
         lengths=cache.lengths + n_accept.astype(jnp.int32),
     )
 
@@ -86,6 +100,24 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
         return y if self.bias is None else y + self.bias[...]
+
+
+class PackedLinear(nnx.Module):
+    """Several `Linear`s of the same input as one matmul: kernel [in, sum of outs] (inference
+    layout). Returns the parts' outputs, in order."""
+
+    def __init__(self, parts: Sequence[Linear]):
+        self.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=1))
+        self.bias = None if parts[0].bias is None else nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
+        ends = [0]
+        for p in parts:
+            ends.append(ends[-1] + p.kernel.shape[1])
+        self.split_at = tuple(ends[1:-1])
+
+    def __call__(self, x: jax.Array) -> list[jax.Array]:
+        y = x @ self.kernel[...]
+        y = y if self.bias is None else y + self.bias[...]
+        return jnp.split(y, self.split_at, axis=-1)
 
 
 class RMSNorm(nnx.Module):
@@ -112,18 +144,38 @@ class SelfAttentionProjections(nnx.Module):
         self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
 
-    def kv(self, x, positions, inv_freq):
+    def kv(self, x, rope: Rope):
         """k (after RoPE), v: [B, T, Hkv, D]."""
         b, t, _ = x.shape
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rope(k, positions, inv_freq), v
+        return rotate(k, *rope), v
 
-    def qkv(self, x, positions, inv_freq):
+    def qkv(self, x, rope: Rope):
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k, v = self.kv(x, positions, inv_freq)
-        return apply_rope(q, positions, inv_freq), k, v
+        k, v = self.kv(x, rope)
+        return rotate(q, *rope), k, v
+
+
+class PackedAttentionProjections(nnx.Module):
+    """`SelfAttentionProjections` with q/k/v as one `PackedLinear` (inference layout)."""
+
+    def __init__(self, attn: SelfAttentionProjections):
+        self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def qkv(self, x, rope: Rope):
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        return rotate(q, *rope), rotate(k, *rope), v.reshape(b, t, self.num_kv_heads, self.head_dim)
+
+    def kv(self, x, rope: Rope):
+        _, k, v = self.qkv(x, rope)
+        return k, v
 
 
 class MLP(nnx.Module):
@@ -139,6 +191,18 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class PackedMLP(nnx.Module):
+    """`MLP` with gate and up as one `PackedLinear` (inference layout)."""
+
+    def __init__(self, mlp: MLP):
+        self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+
+    def __call__(self, x):
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block, split at the attention so callers choose how q/k/v meet the cache."""
 
@@ -148,9 +212,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def qkv(self, x, positions, inv_freq):
+    def qkv(self, x, rope: Rope):
         """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
-        return self.self_attn.qkv(self.input_layernorm(x), positions, inv_freq)
+        return self.self_attn.qkv(self.input_layernorm(x), rope)
 
     def finish(self, x, attn_out):
         """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
@@ -174,9 +238,23 @@ class Transformer(nnx.Module):
             if config.tie_word_embeddings
             else nnx.Param(_normal(rngs, (config.vocab_size, config.hidden_size), dtype))
         )
+        # False sends one-token blocks through the general block path (benchmarks compare the two).
+        self.one_token_attention = True
 
-    def _inv_freq(self) -> jax.Array:
-        return jnp.asarray(inverse_frequencies(self.config))
+    def _rope(self, positions: jax.Array) -> Rope:
+        return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
+
+    def inference_layout(self) -> Transformer:
+        """This model with each layer's q/k/v and gate/up projections packed into one matrix each:
+        the same function up to float rounding order, two matmuls per layer instead of five. Other
+        parameters share their arrays with this model (no copy). For inference only: checkpoint
+        writers and training use the unpacked layout. Packing a packed model returns it as is."""
+        model = nnx.clone(self)
+        for layer in model.layers:
+            if isinstance(layer.self_attn, SelfAttentionProjections):
+                layer.self_attn = PackedAttentionProjections(layer.self_attn)
+                layer.mlp = PackedMLP(layer.mlp)
+        return model
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """int32[B,T] -> [B,T,H] in the parameter dtype."""
@@ -190,9 +268,9 @@ class Transformer(nnx.Module):
     def _causal_layers(self, x, positions, lengths, layers, impl, on_kv=None):
         """Run `layers` over x [B,L,H] with causal self-attention; on_kv(i, k, v) sees each
         layer's keys and values as they are made."""
-        inv_freq = self._inv_freq()
+        rope = self._rope(positions)
         for i, layer in enumerate(layers):
-            q, k, v = layer.qkv(x, positions, inv_freq)
+            q, k, v = layer.qkv(x, rope)
             x = layer.finish(x, attention.prefill_attention(q, k, v, lengths, impl=impl))
             if on_kv is not None:
                 on_kv(i, k, v)
@@ -232,18 +310,27 @@ class Transformer(nnx.Module):
     def forward_block(self, tokens, positions, block_mask, cache: KVCache, *, attn_impl: str | None = None):
         """T new tokens int32[B,T] at positions int32[B,T] against the cache plus each other under
         block_mask bool[B,T,T]. Returns (float32[B,T,V], cache with the block's K/V at rows
-        [lengths[b], lengths[b] + T) of every layer; lengths unchanged). Needs lengths + T <= S_max."""
+        [lengths[b], lengths[b] + T) of every layer; lengths unchanged). Needs lengths + T <= S_max.
+
+        T = 1 (AR decoding) takes one attention over cache rows [0, lengths[b] + block_mask[b, 0, 0])
+        after writing the row: the new key is just the next cache row."""
         impl = _impl(attn_impl)
-        inv_freq = self._inv_freq()
+        rope = self._rope(positions)
         x = self.embed_tokens(tokens)
+        one_token = tokens.shape[1] == 1 and self.one_token_attention
+        if one_token:
+            visible = cache.lengths + block_mask[:, 0, 0].astype(jnp.int32)
         new_k, new_v = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            q, k, v = layer.qkv(x, positions, inv_freq)
+            q, k, v = layer.qkv(x, rope)
             # Write first: attention reads only rows < lengths, and the updated buffer is the one
             # that lives on, so XLA can update it in place.
             k_cache = _write_rows(k_cache, k, cache.lengths)
             v_cache = _write_rows(v_cache, v, cache.lengths)
-            o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
+            if one_token:
+                o = attention.decode_attention(q, k_cache, v_cache, visible, impl=impl)
+            else:
+                o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
             x = layer.finish(x, o)
             new_k.append(k_cache)
             new_v.append(v_cache)
@@ -257,7 +344,7 @@ class Transformer(nnx.Module):
         lengths = jnp.full((b,), l, jnp.int32)
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
-        return last.self_attn.kv(last.input_layernorm(x), positions, self._inv_freq())
+        return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
 
 
 def _impl(attn_impl: str | None) -> str:

@@ -30,12 +30,21 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
-    """Rotate x: [B, T, H, D] at positions: int32[B, T]. Computed in float32, returned in x.dtype."""
+def rope_tables(positions: jnp.ndarray, inv_freq: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(cos, sin), each float32[B, T, 1, D/2], for positions int32[B, T]: computed once per forward
+    and shared by every layer (and by q and k)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotate(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate x: [B, T, H, D] by `rope_tables`' (cos, sin). Computed in float32, returned in x.dtype."""
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
+    """Rotate x: [B, T, H, D] at positions: int32[B, T]. Computed in float32, returned in x.dtype."""
+    return rotate(x, *rope_tables(positions, inv_freq))

@@ -1,0 +1,260 @@
+"""Kernels per decode step and step time of the target, before and after the decode-path changes.
+
+On an H200 (the embedded SmolLM2-135M in bfloat16, its shipped draft, a ~4.5k-token prompt cut
+from examples/doc.txt):
+
+    python -m benchmarks.decode_kernels
+
+On the CPU with a tiny random model (a smoke run: the table's rows, no meaningful timings):
+
+    JAX_PLATFORMS=cpu python -m benchmarks.decode_kernels --small
+
+Variants (the same weights):
+- before: the loaded layout (separate q/k/v and gate/up matrices) and one-token steps through the
+  general block path (cache attention + masked block attention + LSE merge);
+- after: `Transformer.inference_layout()` (packed q/k/v and gate/up) and the one-token path (the
+  new K/V row written, then one attention over the cache).
+
+For each variant and mode (AR; LongSpec when a draft is at hand) it prints the kernels in one
+iteration of the compiled decode loop (its while body), the step (AR) or round (LongSpec) time
+inside the device loop (the median over repeats of decode seconds / loop iterations, after a
+warm-up run), tokens/s, and for AR the step's bytes floor: (weights + the KV rows a step reads) /
+the device-to-device copy bandwidth measured in the same run (bytes read + written per second).
+A short table closes the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longspec_jax import generation
+from longspec_jax.config import ModelConfig
+from longspec_jax.draft import DraftConfig
+from longspec_jax.draft_io import inference_draft, init_draft
+from longspec_jax.target import Target, load_target, random_target
+
+DOC = Path(__file__).resolve().parent.parent / "examples" / "doc.txt"
+# Instructions that launch nothing: they name, regroup or reinterpret buffers. Control flow is
+# followed into the computations it calls.
+FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "opt-barrier", "after-all"}
+CONTROL_OPS = {"while", "call", "conditional"}
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z\-]*)\((.*)$")
+SMALL_CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
+
+
+# ----------------------------------------------------------------------------- kernel counts
+
+
+def hlo_computations(text: str) -> dict[str, list[str]]:
+    """Computation name -> its instruction lines, from an optimised HLO module's text."""
+    computations, current = {}, None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
+    return computations
+
+
+def _kernels_in(name: str, computations: dict[str, list[str]]) -> int:
+    count = 0
+    for line in computations[name]:
+        match = INSTRUCTION.match(line)
+        if match is None or match.group(1) in FREE_OPS:
+            continue
+        if match.group(1) in CONTROL_OPS:
+            rest = match.group(2)
+            called = re.findall(r"(?:condition|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)", rest)
+            for branches in re.findall(r"branch_computations=\{([^}]*)\}", rest):
+                called += [b.strip().lstrip("%") for b in branches.split(",")]
+            count += sum(_kernels_in(c, computations) for c in called if c in computations)
+        else:
+            count += 1
+    return count
+
+
+def loop_body_kernels(text: str) -> int:
+    """Kernels launched by one iteration of the largest while loop of an optimised HLO module:
+    every fusion, custom call and unfused op in its body (and in loops or calls nested there)."""
+    computations = hlo_computations(text)
+    bodies = [b for lines in computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)]
+    if not bodies:
+        raise ValueError("no while loop in this program")
+    return max(_kernels_in(b, computations) for b in bodies)
+
+
+def new_loop_programs(before: set) -> dict[str, int]:
+    """Kernels per loop iteration of each program `generation.compiled` compiled since `before`
+    (a set of its cache keys), by jitted function name."""
+    counts = {}
+    for key, executable in generation._COMPILED.items():
+        if key not in before:
+            text = executable.as_text()
+            if " while(" in text:
+                counts[getattr(key[0], "__name__", str(key[0]))] = loop_body_kernels(text)
+    return counts
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy rate: bytes read + written per second (median of repeats)."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(copy(x))
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        seconds.append(time.perf_counter() - start)
+    return 2 * x.nbytes / statistics.median(seconds)
+
+
+def ar_step_bytes(model, prompt_len: int, new_tokens: int) -> int:
+    """Bytes an AR step must read once: every parameter and the K/V rows it attends (at the
+    midpoint of the generation)."""
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    c = model.config
+    rows = prompt_len + new_tokens // 2
+    return int(weights + 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize)
+
+
+def measure(target, draft, mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
+    kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft)
+    known = set(generation._COMPILED)
+    generation.generate(target, prompt, **kwargs)  # compiles and warms up
+    programs = new_loop_programs(known)
+    ms, tokens_per_s, tau = [], [], []
+    for _ in range(repeats):
+        stats = generation.generate(target, prompt, **kwargs).stats
+        ms.append(1e3 * stats.decode_s / max(stats.rounds, 1))
+        tokens_per_s.append(stats.tokens_per_s)
+        tau.append(stats.tau)
+    loop = "ar_decode" if mode == "ar" else "spec_decode"
+    return {
+        "kernels": programs.get(loop, max(programs.values(), default=-1)),
+        "ms": statistics.median(ms),
+        "tokens_per_s": statistics.median(tokens_per_s),
+        "tau": statistics.median(tau),
+    }
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def variants(target) -> dict[str, Target]:
+    before = nnx.clone(target.model)
+    before.one_token_attention = False
+    after = target.model.inference_layout()
+    return {
+        name: Target(target.config, model, target.tokenizer, target.shipped_draft)
+        for name, model in (("before", before), ("after", after))
+    }
+
+
+def setup(small: bool, prompt_tokens: int):
+    """(target, draft or None, prompt token ids)."""
+    if small:
+        target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
+        draft = init_draft(target, seed=1, config=DraftConfig(window=16))
+        prompt = np.random.default_rng(0).integers(0, SMALL_CONFIG.vocab_size, prompt_tokens).tolist()
+        return target, draft, prompt
+    target = load_target(None, dtype="bfloat16")
+    ids = list(target.tokenizer.encode(DOC.read_text()))
+    prompt = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
+    return target, inference_draft(target), prompt
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a tiny random model (CPU smoke run)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (4500; 100 with --small)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (256; 16 with --small)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (5; 1 with --small)")
+    parser.add_argument("--no-longspec", action="store_true", help="AR only")
+    args = parser.parse_args(argv)
+    prompt_tokens = args.prompt_tokens or (100 if args.small else 4500)
+    new_tokens = args.new_tokens or (16 if args.small else 256)
+    repeats = args.repeats or (1 if args.small else 5)
+
+    target, draft, prompt = setup(args.small, prompt_tokens)
+    bandwidth = copy_bandwidth(1 << 24 if args.small else 1 << 30)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; prompt {len(prompt)} tokens, {new_tokens} new")
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    rows = []
+    for name, variant in variants(target).items():
+        ar = measure(variant, None, "ar", prompt, new_tokens, repeats)
+        floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt), new_tokens) / bandwidth
+        row = {
+            "variant": name,
+            "ar_kernels": ar["kernels"],
+            "ar_step_ms": ar["ms"],
+            "ar_tokens_per_s": ar["tokens_per_s"],
+        }
+        row |= {"floor_ms": floor_ms, "ar_vs_floor": ar["ms"] / floor_ms}
+        print(
+            f"{name}: AR {ar['kernels']} kernels/step, {ar['ms']:.3f} ms/step, {ar['tokens_per_s']:.0f} tokens/s, "
+            f"floor {floor_ms:.3f} ms ({row['ar_vs_floor']:.1f}x)"
+        )
+        if draft is not None and not args.no_longspec:
+            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats)
+            row |= {"round_kernels": spec["kernels"], "round_ms": spec["ms"], "round_vs_ar_step": spec["ms"] / ar["ms"]}
+            row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
+            print(
+                f"{name}: LongSpec {spec['kernels']} kernels/round, {spec['ms']:.3f} ms/round "
+                f"({row['round_vs_ar_step']:.2f} AR steps), tau {spec['tau']:.2f}, {spec['tokens_per_s']:.0f} tokens/s"
+            )
+        rows.append(row)
+    print_table(rows)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = [
+        ("variant", "variant", "{}"),
+        ("ar_kernels", "AR kernels", "{}"),
+        ("ar_step_ms", "AR ms", "{:.3f}"),
+        ("ar_tokens_per_s", "AR tok/s", "{:.0f}"),
+        ("floor_ms", "floor ms", "{:.3f}"),
+        ("ar_vs_floor", "x floor", "{:.1f}"),
+        ("round_kernels", "round kernels", "{}"),
+        ("round_ms", "round ms", "{:.3f}"),
+        ("round_vs_ar_step", "round/AR", "{:.2f}"),
+        ("longspec_tokens_per_s", "LongSpec tok/s", "{:.0f}"),
+    ]
+    cells = [[title for _, title, _ in columns]]
+    cells += [[fmt.format(row[key]) if key in row else "-" for key, _, fmt in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    print()
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""benchmarks/decode_kernels.py runs end to end on a tiny model (CPU): both variants, AR and
+LongSpec rows, kernel counts from the compiled loops, and the closing table."""
+
+from benchmarks import decode_kernels
+
+
+def test_small_run_reports_both_variants_and_fewer_kernels_after(capsys):
+    rows = decode_kernels.main(["--small", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert [r["variant"] for r in rows] == ["before", "after"]
+    for row in rows:
+        assert row["ar_kernels"] > 0 and row["round_kernels"] > row["ar_kernels"]
+        assert row["ar_step_ms"] > 0 and row["floor_ms"] > 0 and row["round_ms"] > 0
+    before, after = rows
+    assert after["ar_kernels"] < before["ar_kernels"] and after["round_kernels"] < before["round_kernels"]
+    lines = out.splitlines()
+    table = lines[max(i for i, line in enumerate(lines) if line.split()[:1] == ["variant"]) :]
+    assert "AR kernels" in table[0] and [line.split()[0] for line in table[1:3]] == ["before", "after"]
+    assert str(after["ar_kernels"]) in table[2].split()
+
+
+def test_loop_body_kernels_counts_launching_instructions_of_the_loop_body():
+    text = """HloModule m
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4] get-tuple-element(%p), index=1
+  %f = f32[4] fusion(%x), kind=kLoop, calls=%fc
+  %c = f32[4] custom-call(%f), custom_call_target="k"
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4]) tuple(%n, %c)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %k = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %k), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a = (s32[], f32[4]) parameter(0)
+  ROOT %w = (s32[], f32[4]) while(%a), condition=%cond, body=%body
+}
+"""
+    assert decode_kernels.loop_body_kernels(text) == 3  # fusion, custom-call, add

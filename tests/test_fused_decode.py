@@ -1,0 +1,176 @@
+"""The inference layout (packed q/k/v and gate/up) and the one-token decode path of the target.
+
+Packed and unpacked models must compute the same function (float32, up to rounding order) on every
+path the decoders use: prefill, a block forward under a tree mask (verification), one-token steps;
+and greedy generation must give the same tokens.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from longspec_jax import attention
+from longspec_jax.errors import UserError
+from longspec_jax.generation import generate
+from longspec_jax.model import PackedAttentionProjections, PackedMLP, init_cache
+from longspec_jax.target import Target, random_target
+from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
+from tests.tiny_models import tiny_config
+
+ATOL = 1e-5
+MAX_LEN = 32
+
+
+def scaled_target(seed=0, **config):
+    """A tiny random float32 target with matrices at std ~0.2 (O(1) logits) and random norms and
+    biases, so a misplaced bias or norm weight in the packing shows."""
+    target = random_target(tiny_config(**config), seed=seed, dtype="float32")
+    _, params = nnx.split(target.model)
+    keys = iter(jax.random.split(jax.random.key(seed + 100), len(jax.tree.leaves(params))))
+    nnx.update(
+        target.model,
+        jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x + 0.3 * jax.random.normal(next(keys), x.shape), params),
+    )
+    return target
+
+
+def packed_target(target) -> Target:
+    return Target(target.config, target.model.inference_layout(), target.tokenizer)
+
+
+@pytest.fixture(
+    scope="module", params=[{}, {"qkv_bias": True, "mlp_bias": True, "o_bias": True}], ids=["llama", "bias"]
+)
+def pair(request):
+    target = scaled_target(seed=3, **request.param)
+    return target, packed_target(target)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, params, tokens, lengths, cache):
+    return nnx.merge(graphdef, params).prefill(tokens, lengths, cache, attn_impl="xla")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _block(graphdef, params, tokens, positions, mask, cache):
+    return nnx.merge(graphdef, params).forward_block(tokens, positions, mask, cache, attn_impl="xla")
+
+
+def prefill(target, tokens, lengths):
+    cache = init_cache(target.config, tokens.shape[0], MAX_LEN, jnp.float32)
+    return _prefill(*nnx.split(target.model), jnp.asarray(tokens), jnp.asarray(lengths), cache)
+
+
+def block(target, tokens, positions, mask, cache):
+    return _block(*nnx.split(target.model), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask), cache)
+
+
+def assert_caches_close(a, b, lengths):
+    for x, y in zip(a.k + a.v, b.k + b.v):
+        for row, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(x[row, :n]), np.asarray(y[row, :n]), atol=ATOL, rtol=0)
+
+
+def test_packed_layout_replaces_the_projections_and_leaves_the_model_alone(pair):
+    target, packed = pair
+    assert all(isinstance(layer.self_attn, PackedAttentionProjections) for layer in packed.model.layers)
+    assert all(isinstance(layer.mlp, PackedMLP) for layer in packed.model.layers)
+    assert not any(isinstance(layer.self_attn, PackedAttentionProjections) for layer in target.model.layers)
+    c = target.config
+    width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    assert packed.model.layers[0].self_attn.qkv_proj.kernel.shape == (c.hidden_size, width)
+    assert packed.model.layers[0].mlp.gate_up_proj.kernel.shape == (c.hidden_size, 2 * c.intermediate_size)
+    again = packed.model.inference_layout()
+    np.testing.assert_array_equal(
+        np.asarray(again.layers[1].self_attn.qkv_proj.kernel[...]),
+        np.asarray(packed.model.layers[1].self_attn.qkv_proj.kernel[...]),
+    )
+
+
+def test_packed_forward_logits_prefill_and_tree_block_match_unpacked(pair):
+    target, packed = pair
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, target.config.vocab_size, size=(2, 12)).astype(np.int32)
+    np.testing.assert_allclose(
+        np.asarray(packed.forward_logits(tokens)), np.asarray(target.forward_logits(tokens)), atol=ATOL, rtol=0
+    )
+    lengths = np.asarray([12, 7], np.int32)
+    (la, ca), (lb, cb) = prefill(target, tokens, lengths), prefill(packed, tokens, lengths)
+    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=ATOL, rtol=0)
+    assert_caches_close(ca, cb, lengths)
+
+    # A verify-shaped block: 6 tree nodes under a random tree mask, at root position + depth.
+    mask = random_tree_mask(rng, 2, 6)
+    depth = mask.sum(-1) - 1
+    tree_tokens = rng.integers(0, target.config.vocab_size, size=(2, 6)).astype(np.int32)
+    positions = (lengths[:, None] + depth).astype(np.int32)
+    (la, ca), (lb, cb) = (
+        block(target, tree_tokens, positions, mask, ca),
+        block(packed, tree_tokens, positions, mask, cb),
+    )
+    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=ATOL, rtol=0)
+    assert_caches_close(ca, cb, lengths + 6)
+
+
+def test_one_token_block_matches_the_full_forward_and_row_zero_of_a_larger_block(pair):
+    """T = 1 takes the decode path: it must equal the full causal forward at that position (mask
+    True) and, with mask False (the token sees only the cache), row 0 of a 2-token block whose first
+    query sees no block key (the general hybrid path)."""
+    for target in pair:
+        rng = np.random.default_rng(1)
+        tokens = rng.integers(0, target.config.vocab_size, size=(2, 9)).astype(np.int32)
+        lengths = np.asarray([8, 5], np.int32)
+        _, cache = prefill(target, tokens, lengths)
+        nxt = tokens[np.arange(2), lengths][:, None]
+        logits, new_cache = block(target, nxt, lengths[:, None], np.ones((2, 1, 1), bool), cache)
+        full = np.asarray(target.forward_logits(tokens))
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(logits[b, 0]), full[b, n], atol=ATOL, rtol=0)
+        assert_caches_close(new_cache, prefill(target, tokens, lengths + 1)[1], lengths + 1)
+
+        blind, _ = block(target, nxt, lengths[:, None], np.zeros((2, 1, 1), bool), cache)
+        pair_mask = np.asarray([[False, False], [True, True]])[None].repeat(2, 0)
+        two, _ = block(target, np.concatenate([nxt, nxt], 1), lengths[:, None] + np.arange(2), pair_mask, cache)
+        np.testing.assert_allclose(np.asarray(blind[:, 0]), np.asarray(two[:, 0]), atol=ATOL, rtol=0)
+
+
+def test_packed_greedy_generation_gives_the_same_tokens(pair):
+    target, packed = pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, target.config.vocab_size, size=n).tolist() for n in (11, 4)]
+    run = functools.partial(generate, max_new_tokens=12, eos_token_ids=(), attn_impl="xla")
+    reference = run(target, prompts, mode="ar").tokens
+    assert run(packed, prompts, mode="ar").tokens == reference
+    assert run(packed, prompts, mode="pld").tokens == reference
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cudnn"])
+def test_decode_attention_matches_float64_reference(impl):
+    """Fresh random inputs; lengths include an empty sequence (o = 0) and a full cache. Off GPU,
+    "cudnn" falls back to XLA with a warning; "pallas" runs the kernel in interpret mode."""
+    rng = np.random.default_rng(7)
+    b, hq, hkv, s, d = 3, 6, 2, 70, 64
+    q = rng.standard_normal((b, 1, hq, d), np.float32)
+    k = rng.standard_normal((b, s, hkv, d), np.float32)
+    v = rng.standard_normal((b, s, hkv, d), np.float32)
+    lengths = np.asarray([0, 33, s], np.int32)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+    if impl == "cudnn":
+        with pytest.warns(UserWarning, match="cuDNN"):
+            o = attention.decode_attention(*args, impl=impl)
+    else:
+        o = attention.decode_attention(*args, impl=impl)
+    ref, _ = attention_reference(q, k, v, cache_visibility(lengths, 1, s))
+    assert o.shape == q.shape and o.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(o), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_refuses_a_block():
+    q = jnp.zeros((1, 2, 4, 16))
+    kv = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(UserError, match="one query per sequence"):
+        attention.decode_attention(q, kv, kv, jnp.asarray([3]))
