@@ -40,6 +40,7 @@ from longspec_jax import generation
 from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import inference_draft, init_draft
+from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import Target, load_target, random_target
 
 DOC = Path(__file__).resolve().parent.parent / "examples" / "doc.txt"
@@ -144,9 +145,9 @@ def ar_step_bytes(model, prompt_len: int, new_tokens: int) -> int:
     return int(weights + 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize)
 
 
-def measure(target, draft, mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+def measure(target, draft, mode: str, prompt: list[int], new_tokens: int, repeats: int, attn_impl=None) -> dict:
     """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
-    kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft)
+    kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft, attn_impl=attn_impl)
     known = set(generation._COMPILED)
     generation.generate(target, prompt, **kwargs)  # compiles and warms up
     programs = new_loop_programs(known)
@@ -178,14 +179,19 @@ def variants(target) -> dict[str, Target]:
     }
 
 
-def setup(small: bool, prompt_tokens: int):
+def setup(small: bool, prompt_tokens: int, target_path: str | None = None, random_weights: bool = False):
     """(target, draft or None, prompt token ids)."""
+    if random_weights:  # a step's kernels and time do not depend on the weights; tau does
+        target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+        draft = init_draft(target, seed=1).cast(jnp.bfloat16)
+        prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, prompt_tokens).tolist()
+        return target, draft, prompt
     if small:
         target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
         draft = init_draft(target, seed=1, config=DraftConfig(window=16))
         prompt = np.random.default_rng(0).integers(0, SMALL_CONFIG.vocab_size, prompt_tokens).tolist()
         return target, draft, prompt
-    target = load_target(None, dtype="bfloat16")
+    target = load_target(target_path, dtype="bfloat16")
     ids = list(target.tokenizer.encode(DOC.read_text()))
     prompt = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     return target, inference_draft(target), prompt
@@ -198,18 +204,24 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per run (256; 16 with --small)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (5; 1 with --small)")
     parser.add_argument("--no-longspec", action="store_true", help="AR only")
+    parser.add_argument("--target", help="a .gguf or HF directory (default: the embedded SmolLM2)")
+    parser.add_argument("--random", action="store_true", help="SmolLM2's shape with random weights and draft")
+    parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), help="default: fastest for the backend")
     args = parser.parse_args(argv)
     prompt_tokens = args.prompt_tokens or (100 if args.small else 4500)
     new_tokens = args.new_tokens or (16 if args.small else 256)
     repeats = args.repeats or (1 if args.small else 5)
 
-    target, draft, prompt = setup(args.small, prompt_tokens)
+    target, draft, prompt = setup(args.small, prompt_tokens, args.target, args.random)
     bandwidth = copy_bandwidth(1 << 24 if args.small else 1 << 30)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; prompt {len(prompt)} tokens, {new_tokens} new")
+    impl = args.attn_impl or "default"
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; prompt {len(prompt)} tokens, {new_tokens} new; {impl}"
+    )
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     rows = []
     for name, variant in variants(target).items():
-        ar = measure(variant, None, "ar", prompt, new_tokens, repeats)
+        ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl)
         floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt), new_tokens) / bandwidth
         row = {
             "variant": name,
@@ -223,7 +235,7 @@ def main(argv=None) -> list[dict]:
             f"floor {floor_ms:.3f} ms ({row['ar_vs_floor']:.1f}x)"
         )
         if draft is not None and not args.no_longspec:
-            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats)
+            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl)
             row |= {"round_kernels": spec["kernels"], "round_ms": spec["ms"], "round_vs_ar_step": spec["ms"] / ar["ms"]}
             row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
             print(

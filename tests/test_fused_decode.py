@@ -174,3 +174,22 @@ def test_decode_attention_refuses_a_block():
     kv = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(UserError, match="one query per sequence"):
         attention.decode_attention(q, kv, kv, jnp.asarray([3]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN and compiled Pallas need an NVIDIA GPU")
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_gpu_bfloat16_decode_attention_matches_float64_reference(impl):
+    """The compiled kernels in bf16 at a SmolLM2-like shape, lengths from empty to a full cache."""
+    rng = np.random.default_rng(8)
+    b, hq, hkv, s, d = 4, 9, 3, 4096, 64
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+        for shape in ((b, 1, hq, d), (b, s, hkv, d), (b, s, hkv, d))
+    )
+    lengths = np.asarray([0, 1, 2049, s], np.int32)
+    o = np.asarray(attention.decode_attention(q, k, v, jnp.asarray(lengths), impl=impl), np.float32)
+    as_f32 = [np.asarray(x, np.float32) for x in (q, k, v)]
+    ref, _ = attention_reference(*as_f32, cache_visibility(lengths, 1, s))
+    assert np.isfinite(o).all()
+    assert np.abs(o - ref).max() < 2e-2 * np.abs(ref).max()
