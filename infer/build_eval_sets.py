@@ -212,7 +212,7 @@ class DiverseSpec:
         "code/go",
         "code/shell",
     )
-    prose_domains: tuple[str, ...] = ("prose/readme", "prose/docs", "prose/book", "prose/manual")
+    prose_domains: tuple[str, ...] = ("prose/book", "prose/reference", "prose/manual", "prose/readme", "prose/docs")
     length_range: tuple[int, int] = (2048, 7168)
     buckets: dict = dataclasses.field(default_factory=lambda: dict(BUCKETS))
     code_per_domain: int = 4
@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                 if (args.diverse / "manifest.json").is_file()
                 else {}
             )
-            extra = {**domains, "corpus_eval": corpus.get("eval", {}).get("by_source")}
+            extra = {
+                **domains,
+                "eval_percent": {s["name"]: s["eval_percent"] for s in corpus.get("sources", [])},
+                "corpus_eval": corpus.get("eval", {}).get("by_source"),
+            }
             manifest = write_eval_sets(args.out, sets, tokenizer, spec, tokenizer_path.name, extra)
             return _report(manifest)
         sources = default_sources(args.stdlib_dir, args.docs_dir)

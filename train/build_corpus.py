@@ -2,7 +2,7 @@
 
     python -m train.build_corpus --out /work/data/smollm2_corpus [--max-mb N]
     python -m train.build_corpus --broad --out /work/data/broad_corpus [--gzip] [--count-tokens]
-        [--site-packages DIR ...] [--source-share 0.2] [--group-share 0.15] [--max-mb N]
+        [--site-packages DIR ...] [--source-share 0.25] [--group-share 0.1] [--max-mb N]
 
 Sources (DATA.md has the licences and the exact commands):
 - python-stdlib: the `.py` files of the running Python's standard library (PSF-2.0);
@@ -50,8 +50,8 @@ PSF_LICENSE = "PSF-2.0"
 DOCS_LICENSE = "PSF-2.0 (code examples also 0BSD)"
 # pydoc_data/topics.py is generated from the documentation: training on it would leak held-out docs.
 STDLIB_EXCLUDE = ("site-packages", "__pycache__", "pydoc_data/topics.py")
-BROAD_SOURCE_SHARE = 0.2
-BROAD_GROUP_SHARE = 0.15
+BROAD_SOURCE_SHARE = 0.25
+BROAD_GROUP_SHARE = 0.1
 
 __all__ = ["Document", "Source", "build_corpus", "default_sources", "held_out_documents", "split_of"]
 

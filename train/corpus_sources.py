@@ -28,6 +28,10 @@ PROSE_SUFFIXES = (".md", ".rst")
 NOT_TEXT_NAMES = ("license", "licence", "copying", "notice", "authors", "changelog", "changes", "history")
 SELF = {"longspec-jax", "longspec_jax"}  # this project: its files are not training data
 NODE_ROOT = Path("/usr/share/nodejs")
+# The Rust books of rust-src's src/doc, by kind of prose: narrative tutorials and reference manuals.
+# (Their older editions and print copies sit outside <book>/src and are not read.)
+TUTORIAL_BOOKS = ("nomicon", "rust-by-example", "edition-guide", "embedded-book")
+REFERENCE_BOOKS = ("rustc", "rustdoc", "unstable-book", "rustc-dev-guide")
 
 
 def _normalise(name: str) -> str:
@@ -225,13 +229,29 @@ def debian_sources() -> list[tuple[str, Source | None]]:
             lambda root: Source(
                 "debian-rust-books",
                 root,
-                "**/*.md",
+                "book/src/**/*.md",
                 "MIT OR Apache-2.0",
                 "doc",
                 20,
-                # older editions and print copies of the same chapters: near-duplicates
-                exclude=("first-edition", "second-edition", "2018-edition", "nostarch", "redirects", "SUMMARY.md"),
+                exclude=("SUMMARY.md",),
                 domain="prose/book",
+                extra_patterns=tuple(f"{b}/src/**/*.md" for b in TUTORIAL_BOOKS),
+                package="rust-src",
+            ),
+        ),
+        (
+            "rust-src",
+            rust_root / "src/doc" if rust_root else None,
+            lambda root: Source(
+                "debian-rust-reference",
+                root,
+                "reference/src/**/*.md",
+                "MIT OR Apache-2.0",
+                "doc",
+                20,
+                exclude=("SUMMARY.md",),
+                domain="prose/reference",
+                extra_patterns=tuple(f"{b}/src/**/*.md" for b in REFERENCE_BOOKS),
                 package="rust-src",
             ),
         ),
