@@ -226,7 +226,11 @@ def test_target_text_resumes_without_duplicating_ids(tmp_path):
     for r in records:
         assert {"source", "path", "license", "seed", "temperature", "prompt", "response", "target"} <= set(r)
         assert r["id"] == f"{r['task']}:{r['source']}/{r['path']}" and r["license"] == "MIT"
-        assert 1 <= len(r["response_ids"]) <= 4 and r["temperature"] == (0.0 if r["task"] == "greedy" else 0.8)
+        assert (
+            1 <= r["response_tokens"] <= 4
+            and 30 <= r["prompt_tokens"]
+            and r["temperature"] == (0.0 if r["task"] == "greedy" else 0.8)
+        )
     assert target_text.main([*common, "--max-docs", "5"]) == 0
     assert len(out.read_text().splitlines()) == 5  # nothing left to do
     assert target_text.main([*common[:-2], "--prompt-tokens", "30", "--max-docs", "1"]) == 2

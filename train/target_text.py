@@ -11,8 +11,10 @@ One job per document (its task taken in turn from --tasks, in a fixed hash order
 - summarise / explain / continue: an excerpt of the document and an instruction, one user turn of
   the chat template, answered at --temperature.
 Each record is one jsonl line: id, task, prompt (the prompt text, chat template included),
-response (the generated text), prompt_ids, response_ids, and the provenance: source, path, license,
-temperature, seed, max_new_tokens, target. `prompt` + `response` are the trainer's SFT fields (only
+response (the generated text), prompt_tokens, response_tokens, and the provenance: source, path,
+license, temperature, seed (of its batch: a batch's rows share one call), batch_first_id,
+max_new_tokens, target. Token ids are not stored (the trainer tokenises the text; ids would triple
+the file). `prompt` + `response` are the trainer's SFT fields (only
 the response is trained on). The file is append-only: a run skips the ids already in it, so the same
 command resumes where a killed or time-limited run stopped. --time-limit-s stops before a batch that
 would not finish in time (judged by the slowest batch so far).
@@ -179,9 +181,10 @@ def generate_target_text(
                     slowest = max(slowest, time.monotonic() - t0)
                     for job, tokens in zip(chunk, result.tokens):
                         record = {
-                            **job,
+                            **{k: v for k, v in job.items() if k != "prompt_ids"},
+                            "prompt_tokens": len(job["prompt_ids"]),
                             "response": codec.decode(tokens),
-                            "response_ids": tokens,
+                            "response_tokens": len(tokens),
                             "temperature": t,
                             "seed": batch_seed,
                             "batch_first_id": chunk[0]["id"],
