@@ -202,7 +202,8 @@ def build_eval_sets(code_docs, summary_docs, tokenizer, spec: EvalSpec = EvalSpe
 @dataclasses.dataclass(frozen=True)
 class DiverseSpec:
     """The diverse set: code of several languages and prose of several kinds from the broad corpus.
-    A domain with too few long held-out documents is left out (named in the manifest)."""
+    A domain with too few long held-out documents gives fewer prompts; one with none is left out
+    (named in the manifest)."""
 
     code_domains: tuple[str, ...] = (
         "code/python",
@@ -256,13 +257,18 @@ def build_diverse_sets(docs, tokenizer, spec: DiverseSpec = DiverseSpec()) -> tu
     plan = [(d, CODE_TASK, code, code_len, MIN_CONTINUATION_TOKENS, spec.code_per_domain) for d in spec.code_domains]
     plan += [(d, SUMMARY_TASK, summary, summary_len, 0, spec.prose_per_domain) for d in spec.prose_domains]
     for domain, task, make, length, margin, count in plan:
-        try:
-            sets[task] += _collect(
-                by_domain.get(domain, []), make, length, margin, lo, hi, count, spec, task, domain=domain
-            )
-            used_domains.append(domain)
-        except UserError as e:
-            left_out[domain] = str(e)
+        # A domain with few long held-out documents gives fewer prompts (spread over the range anew).
+        for n in range(count, 0, -1):
+            try:
+                sets[task] += _collect(
+                    by_domain.get(domain, []), make, length, margin, lo, hi, n, spec, task, domain=domain
+                )
+                used_domains.append(domain)
+                break
+            except UserError as e:
+                left_out[domain] = str(e)
+        if domain in used_domains:
+            left_out.pop(domain, None)
     rotation = list(used_domains)
     used_keys: set[str] = set()  # as in the Python-only sets, prefill prompts may reuse the other tasks' files
     for b, (name, (b_lo, b_hi)) in enumerate(spec.buckets.items()):
