@@ -19,25 +19,10 @@ Ablations (short stage-1 runs, each in its own output_dir; compare tau on the ev
 with the baseline for them: --set max_steps=2000 --set output_dir=runs/smollm2_general_short.
 """
 
-from longspec_jax.config import ModelConfig
+from longspec_jax.model_shapes import MODEL_SHAPES
 from train.config import EMBEDDED_TARGET, Stage, TrainConfig
 
-MODEL = ModelConfig(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
+MODEL = MODEL_SHAPES["smollm2_135m"]
 
 # Relative to the repository root, where train.run is started.
 DATA = (".stage/broad", ".stage/target_text")
