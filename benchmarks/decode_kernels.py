@@ -108,15 +108,20 @@ def loop_body_kernels(text: str) -> int:
     return max(_kernels_in(b, computations) for b in bodies)
 
 
-def new_loop_programs(before: set) -> dict[str, int]:
+def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "") -> dict[str, int]:
     """Kernels per loop iteration of each program `generation.compiled` compiled since `before`
-    (a set of its cache keys), by jitted function name."""
+    (a set of its cache keys), by jitted function name. hlo_out: also write each program's
+    optimised HLO there, as `<label>_<name>.hlo.txt`."""
     counts = {}
     for key, executable in generation._COMPILED.items():
         if key not in before:
             text = executable.as_text()
             if " while(" in text:
-                counts[getattr(key[0], "__name__", str(key[0]))] = loop_body_kernels(text)
+                name = getattr(key[0], "__name__", str(key[0]))
+                counts[name] = loop_body_kernels(text)
+                if hlo_out is not None:
+                    hlo_out.mkdir(parents=True, exist_ok=True)
+                    (hlo_out / f"{label}_{name}.hlo.txt").write_text(text)
     return counts
 
 
@@ -145,12 +150,12 @@ def ar_step_bytes(model, prompt_len: int, new_tokens: int) -> int:
     return int(weights + 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize)
 
 
-def measure(target, draft, mode: str, prompt: list[int], new_tokens: int, repeats: int, attn_impl=None) -> dict:
+def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="") -> dict:
     """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
     kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft, attn_impl=attn_impl)
     known = set(generation._COMPILED)
     generation.generate(target, prompt, **kwargs)  # compiles and warms up
-    programs = new_loop_programs(known)
+    programs = new_loop_programs(known, hlo_out, label)
     ms, tokens_per_s, tau = [], [], []
     for _ in range(repeats):
         stats = generation.generate(target, prompt, **kwargs).stats
@@ -206,6 +211,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no-longspec", action="store_true", help="AR only")
     parser.add_argument("--target", help="a .gguf or HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--random", action="store_true", help="SmolLM2's shape with random weights and draft")
+    parser.add_argument("--hlo-out", type=Path, help="write each decode loop's optimised HLO text here")
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), help="default: fastest for the backend")
     args = parser.parse_args(argv)
     prompt_tokens = args.prompt_tokens or (100 if args.small else 4500)
@@ -221,7 +227,7 @@ def main(argv=None) -> list[dict]:
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     rows = []
     for name, variant in variants(target).items():
-        ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl)
+        ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
         floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt), new_tokens) / bandwidth
         row = {
             "variant": name,
@@ -235,7 +241,7 @@ def main(argv=None) -> list[dict]:
             f"floor {floor_ms:.3f} ms ({row['ar_vs_floor']:.1f}x)"
         )
         if draft is not None and not args.no_longspec:
-            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl)
+            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
             row |= {"round_kernels": spec["kernels"], "round_ms": spec["ms"], "round_vs_ar_step": spec["ms"] / ar["ms"]}
             row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
             print(
