@@ -2,13 +2,14 @@
 
 Layout: linear kernels are `[in, out]`; the embedding (and a separate LM head) are `[V, H]`.
 Every layer owns its own parameter arrays and the layers run in a Python loop: stacked layers
-indexed inside a device loop get copied every step (GPU.md), per-layer arrays do not.
+indexed inside a device loop get copied every step (docs/GPU_NOTES.md), per-layer arrays do not.
 Activations run in the parameter dtype; RMSNorm statistics, softmax and logits in float32.
 Attention math lives in `attention.py`; this file only projects, rotates and stores K/V.
 
 `Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
-each, and every forward computes RoPE's cos/sin once for all layers: a small model's decode step
-costs about one launch per kernel, not its bytes (GPU.md), so fewer, larger kernels decode faster.
+each, stored `[out, in]` (what a one-row product reads in one kernel), and every forward computes
+RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
+not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call,
 without the block attention and the LSE merge a larger block needs.
 
@@ -103,21 +104,26 @@ class Linear(nnx.Module):
 
 
 class PackedLinear(nnx.Module):
-    """Several `Linear`s of the same input as one matmul: kernel [in, sum of outs] (inference
-    layout). Returns the parts' outputs, in order."""
+    """One or several `Linear`s of the same input as one matmul, for inference: weight
+    [sum of outs, in], the transposed ("out, in") layout. A one-row product against it reduces over
+    each weight row's contiguous memory, which XLA fuses into one kernel on the GPU; against the
+    training layout [in, out] it wrote and re-read a weight-sized temporary (BENCHMARKS.md,
+    one-token matrix-vector products). `parts(x)` returns each Linear's output, in order."""
 
     def __init__(self, parts: Sequence[Linear]):
-        self.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=1))
+        self.weight = nnx.Param(jnp.concatenate([p.kernel[...].T for p in parts], axis=0))
         self.bias = None if parts[0].bias is None else nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
         ends = [0]
         for p in parts:
             ends.append(ends[-1] + p.kernel.shape[1])
         self.split_at = tuple(ends[1:-1])
 
-    def __call__(self, x: jax.Array) -> list[jax.Array]:
-        y = x @ self.kernel[...]
-        y = y if self.bias is None else y + self.bias[...]
-        return jnp.split(y, self.split_at, axis=-1)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
+        return y if self.bias is None else y + self.bias[...]
+
+    def parts(self, x: jax.Array) -> list[jax.Array]:
+        return jnp.split(self(x), self.split_at, axis=-1)
 
 
 class RMSNorm(nnx.Module):
@@ -163,12 +169,12 @@ class PackedAttentionProjections(nnx.Module):
 
     def __init__(self, attn: SelfAttentionProjections):
         self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
+        self.o_proj = PackedLinear([attn.o_proj])
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
     def qkv(self, x, rope: Rope):
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.parts(x)
         q = q.reshape(b, t, self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         return rotate(q, *rope), rotate(k, *rope), v.reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -196,10 +202,10 @@ class PackedMLP(nnx.Module):
 
     def __init__(self, mlp: MLP):
         self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
+        self.down_proj = PackedLinear([mlp.down_proj])
 
     def __call__(self, x):
-        gate, up = self.gate_up_proj(x)
+        gate, up = self.gate_up_proj.parts(x)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
@@ -245,8 +251,9 @@ class Transformer(nnx.Module):
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
 
     def inference_layout(self) -> Transformer:
-        """This model with each layer's q/k/v and gate/up projections packed into one matrix each:
-        the same function up to float rounding order, two matmuls per layer instead of five. Other
+        """This model with each layer's q/k/v and gate/up projections packed into one matrix each
+        and every layer matrix stored [out, in] (`PackedLinear`): the same function up to float
+        rounding order, four matmuls per layer instead of seven. Other
         parameters share their arrays with this model (no copy). For inference only: checkpoint
         writers and training use the unpacked layout. Packing a packed model returns it as is."""
         model = nnx.clone(self)

@@ -82,12 +82,12 @@ def test_packed_layout_replaces_the_projections_and_leaves_the_model_alone(pair)
     assert not any(isinstance(layer.self_attn, PackedAttentionProjections) for layer in target.model.layers)
     c = target.config
     width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    assert packed.model.layers[0].self_attn.qkv_proj.kernel.shape == (c.hidden_size, width)
-    assert packed.model.layers[0].mlp.gate_up_proj.kernel.shape == (c.hidden_size, 2 * c.intermediate_size)
+    assert packed.model.layers[0].self_attn.qkv_proj.weight.shape == (width, c.hidden_size)
+    assert packed.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * c.intermediate_size, c.hidden_size)
     again = packed.model.inference_layout()
     np.testing.assert_array_equal(
-        np.asarray(again.layers[1].self_attn.qkv_proj.kernel[...]),
-        np.asarray(packed.model.layers[1].self_attn.qkv_proj.kernel[...]),
+        np.asarray(again.layers[1].self_attn.qkv_proj.weight[...]),
+        np.asarray(packed.model.layers[1].self_attn.qkv_proj.weight[...]),
     )
 
 
