@@ -260,7 +260,7 @@ def lagged_cross_attention(q, target_k, target_v, cross_len, valid, *, impl: str
     Hybrid identity: with c = min over valid queries of cross_len, rows [0, c) are visible to
     every query (the cache part, no mask) and the rest lies in rows [c, c + T) (a T-row block under
     a mask). Needs max_i cross_len - min_i cross_len <= T over valid queries, which holds for
-    step 0 (consecutive positions, lag 1) and tree levels (one prefix for all). Requires S >= T."""
+    commits (consecutive positions, lag 1) and tree levels (one prefix for all). Requires S >= T."""
     b, t = cross_len.shape
     s = target_k.shape[1]
     big = jnp.iinfo(jnp.int32).max
