@@ -3,11 +3,11 @@
     python -m benchmarks.bench_decode                  # Vicuna-7B shape, bf16, contexts 4k and 32k, xla + cudnn
     python -m benchmarks.bench_decode --small          # tiny config on CPU: a smoke test of this script
 
-For each attention implementation and context S it times `generation.ar_decode` (the on-device
-while_loop that `generate` uses) over --steps steps with S tokens already in the cache, and the
-same step as its own jitted program chained from the host (`ar_single_step`): docs/GPU_NOTES.md
-says a step inside the device loop must cost about the same as alone (stacked layers did not; ours
-are unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
+For each attention implementation and context S it times `decode_loop.decode` in mode ar (the
+on-device while_loop that `generate` uses) over --steps steps with S tokens already in the cache,
+and the same step as its own jitted program chained from the host (`round_profile.one_round`):
+docs/GPU_NOTES.md says a step inside the device loop must cost about the same as alone (stacked
+layers did not; ours are unrolled). The floor of a step is (weight bytes + KV bytes of S tokens) / bandwidth, with the
 bandwidth measured in the same run by a large device-to-device elementwise copy (bytes read +
 written). The table comes last.
 
@@ -27,18 +27,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.config import ModelConfig
-from longspec_jax.generation import (
-    StopRule,
-    ar_decode,
-    ar_single_step,
-    ar_start,
-    bucket_length,
-    cache_bytes,
-    compiled,
-    timed,
-)
+from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
+from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.model import init_cache
 from longspec_jax.model_shapes import timing_shape
+from longspec_jax.proposers import NoProposal
+from longspec_jax.round_profile import one_round
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.target import random_target
 
@@ -88,22 +82,32 @@ def bench_one(
     stop = StopRule.create((), 2 * steps + 2)
     new_bucket = bucket_length(2 * steps + 2)
     last_logits = jnp.zeros((batch, config.vocab_size), jnp.float32)
-    key = jax.random.key(0)
-    start, _ = compiled(ar_start, last_logits, sampling, key, stop, new_bucket=new_bucket)
-    state = start(last_logits, sampling, key, stop)
-    stop_at = jnp.asarray(1 + steps, jnp.int32)
-    decode, _ = compiled(ar_decode, params, cache, state, stop_at, sampling, graphdef=graphdef, attn_impl=impl)
-    single, _ = compiled(ar_single_step, params, cache, state, sampling, graphdef=graphdef, attn_impl=impl)
+    loop = LoopConfig(graphdef, NoProposal(), new_bucket, impl)
+    start_args = lambda cache: (  # noqa: E731
+        params,
+        (),
+        cache.replace(lengths=at_context()),
+        jnp.zeros((batch, 1), jnp.int32),
+        jnp.ones((batch,), jnp.int32),
+        last_logits,
+        sampling,
+        jax.random.key(0),
+        stop,
+    )
+    run_start, _ = compiled(start, *start_args(cache), config=loop)
+    state = run_start(*start_args(cache))
+    stop_at = jnp.asarray(steps, jnp.int32)
+    run_decode, _ = compiled(decode, params, (), state, stop_at, sampling, config=loop)
+    single, _ = compiled(one_round, params, (), state, sampling, config=loop)
 
     loop_s = []
     for _ in range(repeats + 1):  # the first run warms up
-        fresh = start(last_logits, sampling, key, stop)
-        (cache, _), s = timed(decode, params, cache.replace(lengths=at_context()), fresh, stop_at, sampling)
+        state, s = timed(run_decode, params, (), state, stop_at, sampling)
         loop_s.append(s / steps)
+        state = run_start(*start_args(state.cache))
     alone_s = []
-    cache, state = cache.replace(lengths=at_context()), start(last_logits, sampling, key, stop)
     for _ in range(steps + 1):
-        (cache, state), s = timed(single, params, cache, state, sampling)
+        state, s = timed(single, params, (), state, sampling)
         alone_s.append(s)
     return 1e3 * statistics.median(loop_s[1:]), 1e3 * statistics.median(alone_s[1:])
 

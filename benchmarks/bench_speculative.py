@@ -5,14 +5,14 @@
 
 For each target shape and context S (tokens already in the target cache, zeros: attention and
 matmul cost do not depend on the values) it times, with a random draft (bf16) and the default tree:
-  - round: `speculative.spec_decode` (the on-device while_loop `generate` uses) over --rounds
+  - round: `decode_loop.decode` (the on-device while_loop `generate` uses) over --rounds
     rounds, per round;
   - draft / verify / accept: the round's three parts, each repeated --rounds times inside its own
     jitted program on the loop's state with the cache donated (updated in place, as in the loop;
-    `speculative.profile_round`), per repetition: the paper's Table 5 analogue. "parts" is their
+    `round_profile.profile_round`), per repetition: the paper's Table 5 analogue. "parts" is their
     sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
     a launch and host sync, and loses fusion across its boundaries);
-  - AR: `generation.ar_decode` per step at the same context.
+  - AR: the same loop in mode ar, per step at the same context.
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
 the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
 targets): AR ms/token / (round ms / tau). Round cost does not depend on acceptance (static shapes).
@@ -31,13 +31,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.config import ModelConfig
+from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
+from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
-from longspec_jax.generation import StopRule, ar_decode, ar_start, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.model import init_cache
 from longspec_jax.model_shapes import timing_shape
+from longspec_jax.proposers import NoProposal, proposer_for
+from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams
-from longspec_jax.speculative import LoopConfig, drafter_for, profile_round, spec_decode, spec_start
 from longspec_jax.target import random_target
 from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
 
@@ -72,77 +74,65 @@ class Row:
     error: str = ""
 
 
-def longspec_state(target, graphdef, params, drafter, draft_params, *, context, batch, widths, config, sampling, stop):
+def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
     """The loop's state with `context` tokens in the target cache (as after a prefill of that many)."""
-    cache = init_cache(target.config, batch, context + config.new_bucket + num_nodes(widths), target.dtype)
+    cache = init_cache(target.config, batch, context + config.new_bucket + slack, target.dtype)
     prompt = jnp.zeros((batch, context), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
     last_logits = jnp.zeros((batch, target.config.vocab_size), jnp.float32)
-    args = (params, draft_params, cache, prompt, lengths, last_logits, sampling, jax.random.key(0), stop)
-    start, _ = compiled(spec_start, *args, graphdef=graphdef, drafter=drafter, config=config)
-    return start(*args)
+    args = (params, proposer_params, cache, prompt, lengths, last_logits, sampling, jax.random.key(0), stop)
+    run_start, _ = compiled(start, *args, config=config)
+    return run_start(*args)
 
 
 def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl):
     """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes)."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
-    # Room for the timed loop's rounds and for profile_round's 1 + rounds acceptances, each from a fresh state.
-    most_rounds = rounds + 1
-    config = LoopConfig(
-        mode="longspec",
-        tree_widths=widths,
-        new_bucket=bucket_length((most_rounds + 1) * (len(widths) + 1)),
-        attn_impl=impl,
-    )
-    drafter, draft_params = drafter_for(draft, widths)
-    make = lambda: longspec_state(
+    # Room for the timed loop's rounds and for profile_round's 2 (1 + rounds) rounds, each from a fresh state.
+    most_rounds = 2 * (rounds + 1)
+    proposer, draft_params = proposer_for("longspec", target, draft, widths)
+    config = LoopConfig(graphdef, proposer, bucket_length((most_rounds + 1) * (len(widths) + 1)), impl)
+    make = lambda: loop_state(
         target,
-        graphdef,
         params,
-        drafter,
         draft_params,
         context=context,
         batch=batch,
-        widths=widths,
         config=config,
+        slack=num_nodes(widths),
         sampling=sampling,
         stop=stop,
     )
     stop_at = jnp.asarray(rounds, jnp.int32)
     state = make()
-    decode, _ = compiled(
-        spec_decode, params, draft_params, state, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config
-    )
+    run_decode, _ = compiled(decode, params, draft_params, state, stop_at, sampling, config=config)
     per_round = []
     for _ in range(repeats + 1):  # the first run warms up
-        state, seconds = timed(decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
+        state, seconds = timed(run_decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
         per_round.append(seconds / rounds)
         del state
-    parts, state = profile_round(graphdef, params, drafter, draft_params, make(), sampling, config, repeats=rounds)
-    return 1e3 * statistics.median(per_round[1:]), parts, cache_bytes(state.draft_state)
+    parts, state = profile_round(config, params, draft_params, make(), sampling, repeats=rounds)
+    return 1e3 * statistics.median(per_round[1:]), parts, proposer.cache_bytes(state.proposal)
 
 
 def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
     """ms per AR step inside the device loop."""
     sampling = SamplingParams.create(0.0)
-    new_bucket = bucket_length(steps + 2)
     stop = StopRule.create((), 2**30)
-    last_logits = jnp.zeros((batch, target.config.vocab_size), jnp.float32)
-    key = jax.random.key(0)
-    start, _ = compiled(ar_start, last_logits, sampling, key, stop, new_bucket=new_bucket)
-    cache = init_cache(target.config, batch, context + new_bucket, target.dtype)
-    stop_at = jnp.asarray(1 + steps, jnp.int32)
-    state = start(last_logits, sampling, key, stop)
-    decode, _ = compiled(ar_decode, params, cache, state, stop_at, sampling, graphdef=graphdef, attn_impl=impl)
+    config = LoopConfig(graphdef, NoProposal(), bucket_length(steps + 2), impl)
+    make = lambda: loop_state(
+        target, params, (), context=context, batch=batch, config=config, slack=0, sampling=sampling, stop=stop
+    )
+    stop_at = jnp.asarray(steps, jnp.int32)
+    state = make()
+    run_decode, _ = compiled(decode, params, (), state, stop_at, sampling, config=config)
     per_step = []
     for _ in range(repeats + 1):
-        fresh = start(last_logits, sampling, key, stop)
-        (cache, _), seconds = timed(
-            decode, params, cache.replace(lengths=jnp.full((batch,), context, jnp.int32)), fresh, stop_at, sampling
-        )
+        state, seconds = timed(run_decode, params, (), state if not per_step else make(), stop_at, sampling)
         per_step.append(seconds / steps)
+        del state
     return 1e3 * statistics.median(per_step[1:])
 
 

@@ -32,7 +32,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def last_logits(generator, tokens: list[int]) -> np.ndarray:
     """The target's logits after `tokens` (one prefill)."""
-    from longspec_jax.generation import plan_lengths, prompt_batch
+    from longspec_jax.decode_kit import plan_lengths, prompt_batch
 
     prompt_bucket, _, cache_len = plan_lengths(len(tokens), 1)
     logits, *_ = generator.run_prefill(prompt_batch([tokens], prompt_bucket), cache_len)

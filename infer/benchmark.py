@@ -81,8 +81,9 @@ def run_benchmark(
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
     benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs").
     tree_widths: longspec's tree (default: the engine's); each longspec record carries the one used."""
-    from longspec_jax.generation import Generator, plan_lengths
-    from longspec_jax.speculative import resolve_widths
+    from longspec_jax.decode_kit import plan_lengths
+    from longspec_jax.generation import Generator
+    from longspec_jax.proposers import resolve_widths
 
     skipped: dict[str, str] = {}
     generators = {}
@@ -116,7 +117,8 @@ def run_benchmark(
     for item in items:
         if item["prompt_len"] + max_new_tokens > window:
             log(
-                f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens exceed the {window}-token window"
+                f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens "
+                f"exceed the {window}-token window"
             )
             continue
         for temperature in temperatures:

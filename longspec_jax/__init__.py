@@ -2,13 +2,14 @@
 
 from longspec_jax.config import ModelConfig, RopeScaling
 from longspec_jax.draft_io import Draft, init_draft, load_draft
-from longspec_jax.errors import UserError
+from longspec_jax.errors import GenerationInterrupted, UserError
 from longspec_jax.generation import GenerationResult, GenerationStats, Generator, generate
 from longspec_jax.model import KVCache, commit, init_cache
 from longspec_jax.target import Target, load_target, random_target
 
 __all__ = [
     "Draft",
+    "GenerationInterrupted",
     "GenerationResult",
     "GenerationStats",
     "Generator",

@@ -1,8 +1,10 @@
 """Accepting a verified draft tree: exact greedy and exact sampling (SPEC.md 5.5-5.6).
 
-Both rules are one walk from the root: at the current node pick a token x from the target's
-distribution there (argmax for greedy, a sample for sampling); if a child carries x, move to it and
-repeat, otherwise x is the bonus token and the round stops. Children of one node carry distinct
+Both rules are one walk from the root (`accept`): at the current node take the target's pick x
+there (argmax for greedy, a sample for sampling; `sampling.pick_token` draws one per node, each
+with its own randomness); if a child carries x, move to it and repeat, otherwise x is the bonus
+token and the round stops. Picks at nodes off the walk are never used, so drawing one at every
+node up front is the same as drawing them along the walk. Children of one node carry distinct
 tokens (tree.py guarantees it), so "the child with token x" is unique. Every emitted token is
 therefore the target's own pick given everything emitted before it: greedy output equals
 target-only greedy decoding, and sampled output is exactly distributed as target-only sampling,
@@ -21,8 +23,6 @@ Outputs (D = tree depth, static):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -38,14 +38,20 @@ class Acceptance:
     bonus: jax.Array
 
 
-def _walk(tree: Tree, pick: Callable[[int, jax.Array], jax.Array]) -> Acceptance:
-    """Walk down the tree; pick(step, node int32[B]) -> token int32[B] is the target's choice at node."""
+def accept(tree: Tree, picks: jax.Array) -> Acceptance:
+    """Walk down the tree; picks int32[B, N]: the target's choice at every flat node.
+
+    A tree of the root alone (depth 0, as AR proposes) emits the root's pick and walks nothing."""
     b, _ = tree.tokens.shape
+    if tree.depth == 0:
+        pick = picks[:, :1].astype(jnp.int32)
+        zeros = jnp.zeros((b, 1), jnp.int32)
+        return Acceptance(path=zeros, n_emitted=jnp.ones((b,), jnp.int32), emitted=pick, bonus=pick[:, 0])
     steps = tree.depth + 1  # at most D moves, then the bonus pick at a depth-D leaf
 
     def body(step, carry):
         node, done, n_emitted, path, emitted, bonus = carry
-        x = pick(step, node)
+        x = _at_node(picks, node)
         is_child = (tree.parents == node[:, None]) & (tree.tokens == x[:, None])  # [B, N], <= 1 True per row
         moved = is_child.any(axis=1) & ~done
         child = jnp.argmax(is_child, axis=1).astype(jnp.int32)
@@ -79,16 +85,11 @@ def accept_greedy(tree: Tree, target_logits: jax.Array) -> Acceptance:
 
     The accepted path is the deepest one whose every token equals the target's argmax at its parent.
     """
-    target_picks = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
-    return _walk(tree, lambda step, node: _at_node(target_picks, node))
+    return accept(tree, jnp.argmax(target_logits, axis=-1).astype(jnp.int32))
 
 
 def accept_sampling(tree: Tree, target_log_probs: jax.Array, key: jax.Array) -> Acceptance:
     """Exact sampling acceptance: target_log_probs float[B, N, V] at every flat node, already
-    filtered (temperature / top-k / top-p: sampling.py), and a PRNG key used once per round.
-    """
-
-    def pick(step, node):
-        return jax.random.categorical(jax.random.fold_in(key, step), _at_node(target_log_probs, node)).astype(jnp.int32)
-
-    return _walk(tree, pick)
+    filtered (temperature / top-k / top-p: sampling.py), and a PRNG key used once per round:
+    an independent sample at every node."""
+    return accept(tree, jax.random.categorical(key, target_log_probs, axis=-1).astype(jnp.int32))

@@ -20,7 +20,8 @@ DEFAULT_ANCHORS = 4
 def _check(length: int, max_len: int, num_anchors: int) -> None:
     if length > max_len:
         raise UserError(
-            f"sequence length {length} exceeds the anchor-offset max_len {max_len}: raise max_len or shorten the sequences"
+            f"sequence length {length} exceeds the anchor-offset max_len {max_len}: "
+            "raise max_len or shorten the sequences"
         )
     if not 0 <= num_anchors <= length:
         raise UserError(f"num_anchors={num_anchors} must lie in 0..{length} (the sequence length)")

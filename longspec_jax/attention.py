@@ -1,11 +1,17 @@
-"""The attention-op module: every attention in the target and the draft goes through here.
+"""The attention-op module: every attention in the target and the draft goes through here, and
+it is the only door to the Pallas kernels (their `ValueError`s come out as `UserError`).
 
-Two entry points, each with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
+Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `prefill_attention`: a block of L tokens against itself, causal, per-sequence lengths (the cache
   is empty before it).
 - `hybrid_tree_attention`: T new queries against a cache (every query sees cache keys
   [0, cache_len[b]) with no mask) plus the T' new keys under a boolean mask (a tree mask in
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
+- `sliding_window_attention`: the draft's training self-attention, causal within a window
+  (cuDNN local window on GPU, else XLA in window-sized chunks).
+- `masked_self_attention`: the draft's inference self-attention, a few queries against its
+  fixed-size ring of keys under a boolean mask (dense XLA: the ring holds at most a window of
+  keys, nothing a flash kernel could skip).
 
 The hybrid splits the keys (SPEC.md 6): `cache_attention` over the cache (cuDNN flash, a Pallas
 split-K kernel, or XLA) and the Pallas `masked_attention` over the new keys each return (o, lse);
@@ -23,19 +29,22 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from longspec_jax.errors import UserError
 from pallas_kernels import cache_attention as pallas_cache
-from pallas_kernels.tree_attention import masked_attention
+from pallas_kernels import tree_attention as pallas_tree
 
 __all__ = [
     "cache_attention",
     "default_impl",
     "hybrid_tree_attention",
     "masked_attention",
+    "masked_self_attention",
     "masked_softmax_attention",
     "merge_attention",
     "prefill_attention",
+    "sliding_window_attention",
 ]
 
 IMPLS = ("xla", "cudnn", "pallas")
@@ -74,6 +83,23 @@ def masked_softmax_attention(q, k, v, mask, *, scale=None):
     lse = (jnp.log(denom) + m_safe)[..., 0]  # [B, Hkv, G, T]; -inf where fully masked
     b, hkv, g, t = lse.shape
     return o.astype(q.dtype), lse.reshape(b, hkv * g, t)
+
+
+def _kernel(kernel, *args, **kwargs):
+    """A Pallas kernel call; the kernel's ValueError (shapes or dtypes it cannot take) is the
+    user's to fix, so it comes out as a UserError."""
+    try:
+        return kernel(*args, **kwargs)
+    except UserError:
+        raise
+    except ValueError as err:
+        raise UserError(str(err)) from err
+
+
+def masked_attention(q, k, v, mask, *, scale=None):
+    """The Pallas masked kernel: q [B,T,Hq,D] against k/v [B,T',Hkv,D] under mask bool[B,T,T'] ->
+    (o [B,T,Hq,D], lse float32 [B,Hq,T])."""
+    return _kernel(pallas_tree.masked_attention, q, k, v, mask, scale=scale)
 
 
 def _check_impl(impl: str, where: str) -> None:
@@ -191,7 +217,7 @@ def cache_attention(q, k_cache, v_cache, cache_len, *, impl: str = "xla", scale=
     """
     _check_impl(impl, "cache_attention")
     if impl == "pallas":
-        return pallas_cache.cache_attention(q, k_cache, v_cache, cache_len, scale=scale)
+        return _kernel(pallas_cache.cache_attention, q, k_cache, v_cache, cache_len, scale=scale)
     if impl == "cudnn":
         return _cache_cudnn(q, k_cache, v_cache, cache_len, scale)
     return _cache_xla(q, k_cache, v_cache, cache_len, scale)
@@ -234,6 +260,49 @@ def hybrid_tree_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mas
     o_c, lse_c = cache_attention(q, k_cache, v_cache, cache_len, impl=impl, scale=scale)
     o_s, lse_s = masked_attention(q, k_new.astype(q.dtype), v_new.astype(q.dtype), tree_mask, scale=scale)
     return merge_attention(o_c, lse_c, o_s, lse_s).astype(q.dtype)
+
+
+def sliding_window_attention(q, k, v, window: int, *, impl: str = "xla"):
+    """Causal self-attention where query i sees keys [i - window, i] (by index): the draft's
+    training self-attention. q [B,L,Hq,D], k/v [B,L,Hkv,D] -> o [B,L,Hq,D].
+
+    impl "cudnn" / "pallas" on GPU with bf16/f16 inputs: cuDNN flash attention with a (window, 0)
+    local window. Otherwise XLA in chunks of C = min(window, L) queries, each against its own and
+    the previous chunk's keys (which hold its whole window): memory O(L * 2C), not O(L^2)."""
+    _check_impl(impl, "sliding_window_attention")
+    if impl != "xla" and _cudnn_unusable(q) is None:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(window, 0), implementation="cudnn"
+        ).astype(q.dtype)
+    return _chunked_window_attention(q, k, v, window)
+
+
+def _chunked_window_attention(q, k, v, window: int):
+    b, l, hq, d = q.shape
+    hkv = k.shape[2]
+    c = min(window, l)
+    n = -(-l // c)
+    pad = n * c - l
+    padded = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, c, *x.shape[2:])
+    qc, kc, vc = padded(q), padded(k), padded(v)
+    with_previous = lambda x: jnp.concatenate([jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1), x], 2)
+    kk, vv = with_previous(kc), with_previous(vc)  # [B, n, 2C, Hkv, D]
+    q_idx = np.arange(n)[:, None] * c + np.arange(c)[None, :]  # [n, C]
+    k_idx = (np.arange(n)[:, None] - 1) * c + np.arange(2 * c)[None, :]  # [n, 2C]
+    diff = q_idx[:, :, None] - k_idx[:, None, :]
+    mask = (diff >= 0) & (diff <= window) & (k_idx[:, None, :] >= 0)  # [n, C, 2C], static
+    mask = jnp.broadcast_to(jnp.asarray(mask), (b, n, c, 2 * c)).reshape(b * n, c, 2 * c)
+    o, _ = masked_softmax_attention(
+        qc.reshape(b * n, c, hq, d), kk.reshape(b * n, 2 * c, hkv, d), vv.reshape(b * n, 2 * c, hkv, d), mask
+    )
+    return o.reshape(b, n * c, hq, d)[:, :l]
+
+
+def masked_self_attention(q, k, v, mask):
+    """The draft's inference self-attention: q [B,T,Hq,D] against k/v [B,S,Hkv,D] (its ring and
+    tree slots, then its own block) under mask bool[B,T,S] -> o [B,T,Hq,D] in q.dtype (0 where a
+    row sees nothing). S is a window plus a tree, whatever the context length."""
+    return masked_softmax_attention(q.astype(k.dtype), k, v, mask)[0].astype(q.dtype)
 
 
 # The hybrid impl with the lowest measured time at the verify shapes on an H200 (BENCHMARKS.md,

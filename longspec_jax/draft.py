@@ -14,17 +14,17 @@ one definition of the block and differ only in how queries meet keys:
   window (index-based, computed in window-sized chunks); cross-attention "flash noisy" with one lag
   j: query t sees target rows <= t - j, rows t < j get zero (an ordinary causal attention on
   shifted queries, no mask).
-- Inference (`init_draft_state`, `draft_prefill`, `draft_step`): `DraftState` is a fixed-size
-  buffer of the draft's own K/V, `[B, W + R, Hkv, D]`, constant in context length:
+- Inference (`init_draft_state`, `draft_prefill`, `draft_commit`, `draft_propose_level`):
+  `DraftState` is a fixed-size buffer of the draft's own K/V, `[B, W + R, Hkv, D]`, constant in
+  context length:
     slots [0, W)      ring of committed tokens, position p in slot p % W;
-    slots [W, W + R)  tree slots: K/V of uncommitted tree nodes, addressed by the caller.
-  A step's queries see ring/tree-slot keys at positions in [p - W, p) (tree slots also only where
-  `slot_mask` says so) plus the step's own block under `tree_mask`. The block is attended before it
-  is written, so a ring of W slots still gives every query all W + 1 keys of its window.
-  `commit=True` (step 0: the tokens accepted last round) writes the valid tokens into the ring;
-  `commit=False` (tree levels) writes the block into tree slots [tree_offset, tree_offset + T),
-  where later levels reach them as ancestors through `slot_mask`. Tree nodes never enter the ring:
-  the next step 0 re-feeds the accepted path, so rejected branches need no clean-up.
+    slots [W, W + R)  tree slots: flat tree node i (i >= 1, tree.py's order) in slot W + i - 1.
+  `draft_commit` feeds accepted tokens (causal, cross-attention lag 1) and writes them into the
+  ring; `draft_propose_level` feeds one tree level, which sees its ancestors through their tree
+  slots, and writes the level into its own. A query at position p sees ring / tree-slot keys at
+  positions in [p - W, p) plus its own block; the block is attended before it is written, so a
+  ring of W slots still gives every query all W + 1 keys of its window. Tree nodes never enter the
+  ring: the next commit feeds the accepted path, so rejected branches need no clean-up.
 """
 
 from __future__ import annotations
@@ -141,41 +141,6 @@ class DraftBlock(nnx.Module):
 # ---------------------------------------------------------------- training forward
 
 
-def sliding_window_attention(q, k, v, window: int, *, impl: str | None = None):
-    """Causal self-attention where query i sees keys [i - window, i] (by index).
-
-    q [B,L,Hq,D], k/v [B,L,Hkv,D]. On GPU with bf16/f16 inputs and impl "cudnn" or "pallas": cuDNN
-    flash attention with a (window, 0) local window. Otherwise computed in chunks of
-    C = min(window, L) queries, each against its own and the previous chunk's keys (which hold its
-    whole window), so memory is O(L * 2C) rather than O(L^2)."""
-    if _impl(impl) != "xla" and attention._cudnn_unusable(q) is None:
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, local_window_size=(window, 0), implementation="cudnn"
-        ).astype(q.dtype)
-    return _chunked_window_attention(q, k, v, window)
-
-
-def _chunked_window_attention(q, k, v, window: int):
-    b, l, hq, d = q.shape
-    hkv = k.shape[2]
-    c = min(window, l)
-    n = -(-l // c)
-    pad = n * c - l
-    padded = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, c, *x.shape[2:])
-    qc, kc, vc = padded(q), padded(k), padded(v)
-    with_previous = lambda x: jnp.concatenate([jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1), x], 2)
-    kk, vv = with_previous(kc), with_previous(vc)  # [B, n, 2C, Hkv, D]
-    q_idx = np.arange(n)[:, None] * c + np.arange(c)[None, :]  # [n, C]
-    k_idx = (np.arange(n)[:, None] - 1) * c + np.arange(2 * c)[None, :]  # [n, 2C]
-    diff = q_idx[:, :, None] - k_idx[:, None, :]
-    mask = (diff >= 0) & (diff <= window) & (k_idx[:, None, :] >= 0)  # [n, C, 2C], static
-    mask = jnp.broadcast_to(jnp.asarray(mask), (b, n, c, 2 * c)).reshape(b * n, c, 2 * c)
-    o, _ = attention.masked_softmax_attention(
-        qc.reshape(b * n, c, hq, d), kk.reshape(b * n, 2 * c, hkv, d), vv.reshape(b * n, 2 * c, hkv, d), mask
-    )
-    return o.reshape(b, n * c, hq, d)[:, :l]
-
-
 def flash_noisy_cross_attention(q, k, v, lag, *, impl: str | None = None):
     """Flash Noisy Training: o[t] = attention(q[t], k[:t-lag+1], v[:t-lag+1]) for t >= lag, o[t] = 0
     for t < lag. q [B,L,Hq,D]; k/v [B,L,Hkv,D] (the target's last layer); lag: int32 scalar >= 1,
@@ -202,7 +167,7 @@ def draft_hidden(
     hidden, _ = block.forward(
         target_model.embed_tokens(tokens),
         positions,
-        lambda q, k, v: sliding_window_attention(q, k, v, block.window, impl=attn_impl),
+        lambda q, k, v: attention.sliding_window_attention(q, k, v, block.window, impl=_impl(attn_impl)),
         lambda q: flash_noisy_cross_attention(q, target_k, target_v, lag, impl=attn_impl),
     )
     return hidden
@@ -295,7 +260,7 @@ def lagged_cross_attention(q, target_k, target_v, cross_len, valid, *, impl: str
     Hybrid identity: with c = min over valid queries of cross_len, rows [0, c) are visible to
     every query (the cache part, no mask) and the rest lies in rows [c, c + T) (a T-row block under
     a mask). Needs max_i cross_len - min_i cross_len <= T over valid queries, which holds for
-    step 0 (consecutive positions, lag 1) and tree levels (one prefix for all). Requires S >= T."""
+    commits (consecutive positions, lag 1) and tree levels (one prefix for all). Requires S >= T."""
     b, t = cross_len.shape
     s = target_k.shape[1]
     big = jnp.iinfo(jnp.int32).max
@@ -311,7 +276,7 @@ def lagged_cross_attention(q, target_k, target_v, cross_len, valid, *, impl: str
     return o.astype(q.dtype)
 
 
-def draft_step(
+def _forward_block(
     block: DraftBlock,
     target_model,
     state: DraftState,
@@ -321,62 +286,115 @@ def draft_step(
     target_k,
     target_v,
     cross_len,
-    tree_mask,
     *,
-    commit: bool,
-    slot_mask=None,
-    tree_offset=0,
-    attn_impl: str | None = None,
+    tree_slots_seen,
+    block_seen,
+    attn_impl: str,
 ):
-    """One draft forward over a block of T tokens -> (logits float32[B,T,V], new state).
-
-    tokens, positions: int32[B,T]; valid: bool[B,T] (padding rows give junk logits, are never
-    written to the ring and are invisible as keys); target_k/v [B,S,Hkv,D]: the target's
-    last-layer cache (cache.k[-1], cache.v[-1]); cross_len int32[B,T]: target rows
-    [0, cross_len) visible to each query (step 0, lag 1: the query at position t gets t; tree
-    level: root position for all); tree_mask bool[B,T,T]: which block tokens each query sees
-    (step 0: causal; a tree level: each node itself).
-    commit (static): True writes the valid tokens into the ring (step 0); False writes the block
-    into tree slots [tree_offset, tree_offset + T) (int or int32 scalar), their positions -1
-    where not valid. slot_mask bool[B,T,R]: the tree slots each query sees (a tree level: its
-    ancestors); None: none. Keys in the ring and tree slots are also limited to positions
-    [p - W, p) for a query at p."""
+    """One draft forward of a block of T tokens over the ring, the tree slots and itself ->
+    (logits float32[B,T,V], k, v [B,T,Hkv,D] of the block). tree_slots_seen bool[B,T,R]: the tree
+    slots each query sees; block_seen bool[B,T,T]: the block tokens each query sees."""
     w = block.window
     b, t = tokens.shape
-    num_slots = state.positions.shape[1]
-    x = target_model.embed_tokens(tokens)
     p = positions[:, :, None]
 
     def in_window(key_pos):
         return (key_pos >= 0) & (key_pos >= p - w)
 
     slot_pos = state.positions[:, None, :]  # [B, 1, W + R]
-    tree_visible = jnp.zeros((b, t, num_slots - w), bool) if slot_mask is None else slot_mask
-    slots_visible = (
-        in_window(slot_pos) & (slot_pos < p) & jnp.concatenate([jnp.ones((b, t, w), bool), tree_visible], -1)
-    )
-    block_pos = positions[:, None, :]
-    block_visible = in_window(block_pos) & tree_mask & valid[:, None, :]
+    ring_or_tree = jnp.concatenate([jnp.ones((b, t, w), bool), tree_slots_seen], -1)
+    slots_visible = in_window(slot_pos) & (slot_pos < p) & ring_or_tree
+    block_visible = in_window(positions[:, None, :]) & block_seen & valid[:, None, :]
     mask = jnp.concatenate([slots_visible, block_visible], axis=-1)
 
     def self_attend(q, k, v):
         keys = jnp.concatenate([state.k, k.astype(state.k.dtype)], axis=1)
         values = jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1)
-        return attention.masked_softmax_attention(q.astype(state.k.dtype), keys, values, mask)[0]
+        return attention.masked_self_attention(q, keys, values, mask)
 
     out, (k, v) = block.forward(
-        x,
+        target_model.embed_tokens(tokens),
         positions,
         self_attend,
         lambda q: lagged_cross_attention(q, target_k, target_v, cross_len, valid, impl=attn_impl),
     )
-    logits = target_model.lm_logits(out)
-    if commit:
-        slots = jnp.where(valid, positions % w, num_slots)
-        new_positions = positions
-    else:
-        if isinstance(tree_offset, int) and not 0 <= tree_offset <= num_slots - w - t:
-            raise ValueError(f"tree slots [{tree_offset}, {tree_offset + t}) exceed the {num_slots - w} tree slots")
-        slots = jnp.broadcast_to(w + tree_offset + jnp.arange(t, dtype=jnp.int32), (b, t))
-        new_positions = jnp.where(valid, positions, -1)
-    return logits, _write_slots(state, slots, k, v, new_positions)
+    return target_model.lm_logits(out), k, v
+
+
+def tree_slots(state: DraftState, window: int) -> int:
+    """R, the number of tree slots of a state (static)."""
+    return state.positions.shape[1] - window
+
+
+def draft_commit(
+    block: DraftBlock, target_model, state: DraftState, tokens, positions, valid, target_k, target_v, *, attn_impl=None
+):
+    """Feed accepted tokens and write them into the ring -> (logits float32[B,T,V], new state).
+
+    tokens, positions int32[B,T] (consecutive per row); valid bool[B,T] (padding rows give junk
+    logits, are never written and are invisible as keys); target_k/v [B,S,Hkv,D]: the target's
+    last-layer cache (cache.k[-1], cache.v[-1]). Causal within the block; cross-attention lag 1:
+    the token at position t sees target rows [0, t)."""
+    b, t = tokens.shape
+    logits, k, v = _forward_block(
+        block,
+        target_model,
+        state,
+        tokens,
+        positions,
+        valid,
+        target_k,
+        target_v,
+        positions,
+        tree_slots_seen=jnp.zeros((b, t, tree_slots(state, block.window)), bool),
+        block_seen=jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
+        attn_impl=_impl(attn_impl),
+    )
+    slots = jnp.where(valid, positions % block.window, state.positions.shape[1])
+    return logits, _write_slots(state, slots, k, v, positions)
+
+
+def draft_propose_level(
+    block: DraftBlock,
+    target_model,
+    state: DraftState,
+    tokens,
+    depth: int,
+    sees,
+    root_positions,
+    target_k,
+    target_v,
+    *,
+    attn_impl=None,
+):
+    """Feed one tree level and keep it in its tree slots -> (logits float32[B,w,V], new state).
+
+    tokens int32[B,w]: the level's nodes, flat nodes [end - w, end) of the tree; depth: the level's
+    depth (static, >= 1); sees bool[B,w,end]: which flat nodes [0, end) each node sees, itself and
+    its ancestors (tree.level_block's mask; column 0, the root, is already in the ring);
+    root_positions int32[B]. Every node sees the target prefix [0, root position)."""
+    w = tokens.shape[1]
+    end = sees.shape[2]
+    start = end - w
+    r = tree_slots(state, block.window)
+    if end - 1 > r:
+        raise ValueError(f"tree nodes up to {end - 1} exceed the draft state's {r} tree slots")
+    b = tokens.shape[0]
+    positions = jnp.broadcast_to(root_positions[:, None] + depth, (b, w)).astype(jnp.int32)
+    ancestors = jnp.zeros((b, w, r), bool).at[:, :, : start - 1].set(sees[:, :, 1:start])
+    logits, k, v = _forward_block(
+        block,
+        target_model,
+        state,
+        tokens,
+        positions,
+        jnp.ones((b, w), bool),
+        target_k,
+        target_v,
+        jnp.broadcast_to(root_positions[:, None], (b, w)),
+        tree_slots_seen=ancestors,
+        block_seen=sees[:, :, start:],
+        attn_impl=_impl(attn_impl),
+    )
+    slots = jnp.broadcast_to(block.window + start - 1 + jnp.arange(w, dtype=jnp.int32), (b, w))
+    return logits, _write_slots(state, slots, k, v, positions)

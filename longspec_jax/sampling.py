@@ -16,14 +16,19 @@ AR output. The rules, applied in this order to float32 logits [..., V]:
 
 The kept logits are renormalised (log-softmax); removed tokens get -inf.
 
-Values may be traced arrays, so changing temperature / top-k / top-p does not recompile;
-`SamplingParams` carries them plus static flags that switch whole stages on or off (a stage that is
-off costs nothing, in particular no sort over the vocabulary).
+Picks (`pick_token`) are Gumbel-max draws: argmax(kept logits / T + Gumbel noise), an exact sample
+of that distribution, and with the noise switched off by the traced `greedy` flag (T = 1 then) the
+argmax itself, i.e. the greedy point mass. So greedy and sampling are ONE compiled program: the
+settings are arrays, and only two static flags pick the program: top-k filtering on (top_k > 0)
+and top-p filtering on (top_p < 1), each a sort over the vocabulary that a program without it does
+not pay. Changing temperature (greedy included), the seed, or the values of top-k / top-p while
+they stay on does not recompile; turning top-k or top-p on or off does.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -31,36 +36,42 @@ from flax import struct
 
 from longspec_jax.errors import UserError
 
+INT32_MAX = 2**31 - 1
+
 
 @struct.dataclass
 class SamplingParams:
-    """Sampling settings as a pytree: values are float32 / int32 scalars, flags are static."""
+    """Sampling settings as a pytree: temperature float32[] (1 when greedy), top_k int32[],
+    top_p float32[], greedy bool[] are arrays; use_top_k / use_top_p are static."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    greedy: bool = struct.field(pytree_node=False)
+    greedy: jax.Array
     use_top_k: bool = struct.field(pytree_node=False)
     use_top_p: bool = struct.field(pytree_node=False)
 
     @classmethod
     def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
         """Validated settings; temperature 0 = greedy, top_k 0 = off, top_p 1 = off."""
-        temperature, top_p = float(temperature), float(top_p)
+        try:
+            temperature, top_p = float(temperature), float(top_p)
+        except (TypeError, ValueError):
+            raise UserError(f"temperature and top_p must be numbers, got {temperature!r} and {top_p!r}") from None
         if not math.isfinite(temperature) or temperature < 0:
             raise UserError(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
-        if int(top_k) != top_k or top_k < 0:
-            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
+        if not isinstance(top_k, numbers.Real) or int(top_k) != top_k or not 0 <= top_k <= INT32_MAX:
+            raise UserError(f"top_k must be an integer in [0, {INT32_MAX}] (0 = off), got {top_k}")
         if not 0.0 < top_p <= 1.0:
             raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
         greedy = temperature == 0.0
         return cls(
-            temperature=jnp.asarray(temperature if not greedy else 1.0, jnp.float32),
+            temperature=jnp.asarray(1.0 if greedy else temperature, jnp.float32),
             top_k=jnp.asarray(int(top_k), jnp.int32),
             top_p=jnp.asarray(top_p, jnp.float32),
-            greedy=greedy,
-            use_top_k=not greedy and top_k > 0,
-            use_top_p=not greedy and top_p < 1.0,
+            greedy=jnp.asarray(greedy),
+            use_top_k=top_k > 0,
+            use_top_p=top_p < 1.0,
         )
 
 
@@ -87,18 +98,22 @@ def top_p_filter(logits: jax.Array, p) -> jax.Array:
     return jnp.where(probs >= threshold, logits, -jnp.inf)
 
 
-def filtered_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """float32 log-probabilities [..., V] of the distribution tokens are drawn from (module doc)."""
-    logits = logits.astype(jnp.float32)
-    if params.greedy:
-        one_hot = jax.nn.one_hot(greedy_pick(logits), logits.shape[-1], dtype=bool)
-        return jnp.where(one_hot, 0.0, -jnp.inf)
-    scaled = logits / params.temperature
+def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """float32 logits [..., V] / temperature with the tokens top-k / top-p remove at -inf: the
+    sampled distribution up to normalisation (module doc; greedy: temperature 1)."""
+    scaled = logits.astype(jnp.float32) / params.temperature
     if params.use_top_k:
         scaled = top_k_filter(scaled, params.top_k)
     if params.use_top_p:
         scaled = top_p_filter(scaled, params.top_p)
-    return jax.nn.log_softmax(scaled, axis=-1)
+    return scaled
+
+
+def filtered_log_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """float32 log-probabilities [..., V] of the distribution tokens are drawn from (module doc):
+    the point mass on the argmax when greedy."""
+    point_mass = jnp.where(jax.nn.one_hot(greedy_pick(logits), logits.shape[-1], dtype=bool), 0.0, -jnp.inf)
+    return jnp.where(params.greedy, point_mass, jax.nn.log_softmax(filtered_logits(logits, params), axis=-1))
 
 
 def greedy_pick(logits: jax.Array) -> jax.Array:
@@ -112,8 +127,10 @@ def sample(key: jax.Array, log_probs: jax.Array) -> jax.Array:
 
 
 def pick_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """The next token for each row of logits [..., V]: argmax when greedy, else a sample from
-    `filtered_log_probs`. The key is unused when greedy."""
-    if params.greedy:
-        return greedy_pick(logits)
-    return sample(key, filtered_log_probs(logits, params))
+    """The next token for each row of logits [..., V], rows drawn independently: the argmax when
+    greedy (the key is then unused), else a sample from `filtered_log_probs`. One program for
+    both: the Gumbel noise that makes argmax a sample is zeroed when greedy, and the greedy
+    logits are unscaled, so the argmax is exactly `greedy_pick`'s."""
+    scores = filtered_logits(logits, params)
+    noise = jax.random.gumbel(key, scores.shape, jnp.float32)
+    return greedy_pick(scores + jnp.where(params.greedy, 0.0, noise))

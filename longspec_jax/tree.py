@@ -171,6 +171,11 @@ def level_block(tree: Tree, depth: int, root_positions: jax.Array):
     return tokens, positions, tree.mask[:, start:end, :end]
 
 
+def root_tree(root_tokens: jax.Array) -> Tree:
+    """The tree of the root alone (widths ()): what AR proposes, verified as a one-token block."""
+    return _empty_tree(root_tokens, ())
+
+
 def chain_tree(root_tokens: jax.Array, chain: jax.Array) -> Tree:
     """A single chain root -> chain[:, 0] -> ... -> chain[:, K-1] (widths (1,) * K), as used by PLD."""
     b, k = chain.shape

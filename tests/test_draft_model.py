@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from longspec_jax.attention import sliding_window_attention
 from longspec_jax.draft import (
     DraftBlock,
     DraftConfig,
+    draft_commit,
     draft_hidden,
     draft_prefill,
-    draft_step,
+    draft_propose_level,
     flash_noisy_cross_attention,
     init_draft_state,
     lagged_cross_attention,
-    sliding_window_attention,
 )
 from longspec_jax.target import random_target
 from tests.tiny_models import tiny_config
@@ -69,7 +70,8 @@ def _train_logits(block, target, tokens, positions, target_k, target_v, lag):
 
 
 # Jitted as the engine will run it; one compile per block shape keeps the tests fast.
-_step = nnx.jit(draft_step, static_argnames=("commit", "tree_offset"))
+_commit = nnx.jit(draft_commit)
+_propose_level = nnx.jit(draft_propose_level, static_argnames=("depth",))
 _prefill = nnx.jit(draft_prefill)
 
 
@@ -134,15 +136,12 @@ def test_sliding_window_attention_matches_band_reference(length):
     np.testing.assert_allclose(np.asarray(local), want, atol=2e-5)
 
 
-def _run_steps(block, target, state, tokens, positions, target_k, target_v, lag, start, sizes):
-    """Feed tokens[:, start:] block by block (commit=True, causal), as step 0 does."""
+def _run_steps(block, target, state, tokens, positions, target_k, target_v, start, sizes):
+    """Commit tokens[:, start:] block by block, as the LongSpec proposer does."""
     b = tokens.shape[0]
     out, t0 = [], start
     for t in sizes:
-        rows = jnp.arange(t0, t0 + t, dtype=jnp.int32)
-        cross_len = jnp.broadcast_to(rows - lag + 1, (b, t))
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        logits, state = _step(
+        logits, state = _commit(
             block,
             target,
             state,
@@ -151,26 +150,22 @@ def _run_steps(block, target, state, tokens, positions, target_k, target_v, lag,
             jnp.ones((b, t), bool),
             target_k,
             target_v,
-            cross_len,
-            causal,
-            commit=True,
         )
         out.append(np.asarray(logits))
         t0 += t
     return np.concatenate(out, axis=1), state
 
 
-@pytest.mark.parametrize("lag", [1, 3])
-def test_ring_buffer_steps_match_training_forward(lag):
-    """Blocks of 1, 3, 5 tokens through a ring of W = 8 slots, wrapping around 4 times, at positions
-    offset from the target rows, against the full-sequence training forward with the same lag."""
+def test_ring_buffer_commits_match_training_forward():
+    """Blocks of 1, 3, 5 tokens through a ring of W = 8 slots, wrapping around 4 times, against the
+    full-sequence training forward with lag 1 (a commit's cross-attention)."""
     block, target = _models()
     b, l = 2, sum(SIZES)
     tokens, target_k, target_v = _inputs(b, l)
-    positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32) + 5, (b, l))
-    want = _train_logits(block, target, tokens, positions, target_k, target_v, lag)
+    positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    want = _train_logits(block, target, tokens, positions, target_k, target_v, 1)
     state = init_draft_state(block, b, tree_slots=4)
-    got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, lag, 0, SIZES)
+    got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, 0, SIZES)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(
@@ -191,19 +186,15 @@ def test_prefill_then_steps_match_training_forward():
     t0 = np.asarray(lengths)
     for t in [1, 3, 1, 5, 3]:
         idx = jnp.asarray(t0[:, None] + np.arange(t)[None, :], jnp.int32)
-        take = lambda x: jnp.take_along_axis(x, idx, axis=1)
-        logits, state = _step(
+        logits, state = _commit(
             block,
             target,
             state,
-            take(tokens),
+            jnp.take_along_axis(tokens, idx, axis=1),
             idx,
             jnp.ones((b, t), bool),
             target_k,
             target_v,
-            idx,
-            jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
-            commit=True,
         )
         for r in range(b):
             np.testing.assert_allclose(np.asarray(logits[r]), want[r, t0[r] : t0[r] + t], atol=1e-4, rtol=1e-4)
@@ -221,7 +212,7 @@ def test_sliding_window_is_exact_in_training_and_inference():
     for run in (
         lambda toks: _train_logits(block, target, toks, positions, target_k, target_v, 1),
         lambda toks: _run_steps(
-            block, target, init_draft_state(block, b, tree_slots=4), toks, positions, target_k, target_v, 1, 0, SIZES
+            block, target, init_draft_state(block, b, tree_slots=4), toks, positions, target_k, target_v, 0, SIZES
         )[0],
     ):
         base, other = run(tokens), run(changed)
@@ -230,8 +221,9 @@ def test_sliding_window_is_exact_in_training_and_inference():
 
 
 def test_tree_levels_through_tree_slots_match_ancestor_chains():
-    """Level 1 (2 nodes) and level 2 (3 nodes, ancestors reached through slot_mask) == each node
-    fed as the chain [parent, node] in one block; nothing enters the ring."""
+    """A tree of widths (2, 3) after a prefix: level 1 fed as the tree's level, level 2 (3 nodes,
+    ancestors in their tree slots) == each node committed as the chain [parent, node] in one
+    block; nothing enters the ring."""
     block, target = _models()
     b, prefix = 2, 11
     tokens, target_k, target_v = _inputs(b, prefix + 2, seed=5)
@@ -242,37 +234,38 @@ def test_tree_levels_through_tree_slots_match_ancestor_chains():
     level2 = jnp.asarray(rng.integers(0, V, (b, 3)), jnp.int32)
     parents = np.array([1, 0, 1])  # level-2 node i hangs under level-1 node parents[i]
     root = prefix - 1
+    root_positions = jnp.full((b,), root, jnp.int32)
+    # Flat nodes: 0 the root, 1-2 level 1, 3-5 level 2; sees[i, j]: node j is node i or an ancestor.
+    sees = np.zeros((6, 6), bool)
+    sees[:, 0] = True
+    sees[np.arange(6), np.arange(6)] = True
+    sees[3 + np.arange(3), 1 + parents] = True
+    sees = jnp.broadcast_to(jnp.asarray(sees), (b, 6, 6))
 
-    def feed(state, toks, depths, block_mask, **kw):
-        t = toks.shape[1]
-        positions = jnp.broadcast_to(jnp.asarray(root + depths, jnp.int32), (b, t))
-        cross_len = jnp.full((b, t), root, jnp.int32)  # every tree node sees one target prefix
-        return _step(
-            block,
-            target,
-            state,
-            toks,
-            positions,
-            jnp.ones((b, t), bool),
-            target_k,
-            target_v,
-            cross_len,
-            jnp.broadcast_to(block_mask, (b, t, t)),
-            commit=False,
-            **kw,
+    def level(state, toks, depth, rows):
+        return _propose_level(
+            block, target, state, toks, depth, sees[:, rows, : rows.stop], root_positions, target_k, target_v
         )
 
-    logits1, state1 = feed(state0, level1, np.array([1, 1]), jnp.eye(2, dtype=bool), tree_offset=0)
-    slot_mask = np.zeros((b, 3, 6), bool)
-    slot_mask[:, np.arange(3), parents] = True
-    logits2, state2 = feed(
-        state1, level2, np.array([2, 2, 2]), jnp.eye(3, dtype=bool), slot_mask=jnp.asarray(slot_mask), tree_offset=2
-    )
+    logits1, state1 = level(state0, level1, 1, slice(1, 3))
+    logits2, state2 = level(state1, level2, 2, slice(3, 6))
     np.testing.assert_array_equal(np.asarray(state2.positions[:, :WINDOW]), np.asarray(state0.positions[:, :WINDOW]))
 
+    # The chain [parent, node] after the root at positions root + 1, root + 2, every query seeing
+    # the target prefix [0, root): the lag of a commit at position root + 1.
     for i, p in enumerate(parents):
         chain = jnp.stack([level1[:, p], level2[:, i]], axis=1)
-        want, _ = feed(state0, chain, np.array([1, 2]), jnp.tril(jnp.ones((2, 2), bool)))
+        chain_positions = jnp.broadcast_to(jnp.asarray([root + 1, root + 2], jnp.int32), (b, 2))
+        want, _ = _commit(
+            block,
+            target,
+            state0,
+            chain,
+            chain_positions,
+            jnp.ones((b, 2), bool),
+            target_k[:, :root],
+            target_v[:, :root],
+        )
         np.testing.assert_allclose(np.asarray(logits1[:, p]), np.asarray(want[:, 0]), atol=1e-5)
         np.testing.assert_allclose(np.asarray(logits2[:, i]), np.asarray(want[:, 1]), atol=1e-5)
     assert np.abs(np.asarray(logits2[:, 0] - logits2[:, 1])).max() > 1e-3
@@ -285,25 +278,12 @@ def test_padding_rows_are_neither_seen_nor_committed():
     b = 2
     tokens, target_k, target_v = _inputs(b, 12, seed=7)
     state = _prefill(block, target, init_draft_state(block, b, tree_slots=4), tokens, jnp.asarray([9, 9]))
-    causal = lambda t: jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     positions = jnp.broadcast_to(jnp.arange(9, 12, dtype=jnp.int32), (b, 3))
     valid = jnp.asarray([[True, False, True]] * b)
-    padded, padded_state = _step(
-        block, target, state, tokens[:, 9:12], positions, valid, target_k, target_v, positions, causal(3), commit=True
-    )
+    padded, padded_state = _commit(block, target, state, tokens[:, 9:12], positions, valid, target_k, target_v)
     kept = jnp.asarray([0, 2])
-    want, _ = _step(
-        block,
-        target,
-        state,
-        tokens[:, 9:12][:, kept],
-        positions[:, kept],
-        jnp.ones((b, 2), bool),
-        target_k,
-        target_v,
-        positions[:, kept],
-        causal(2),
-        commit=True,
+    want, _ = _commit(
+        block, target, state, tokens[:, 9:12][:, kept], positions[:, kept], jnp.ones((b, 2), bool), target_k, target_v
     )
     np.testing.assert_allclose(np.asarray(padded[:, kept]), np.asarray(want), atol=1e-5)
     assert set(np.asarray(padded_state.positions[0, :WINDOW]).tolist()) == {2, 4, 5, 6, 7, 8, 9, 11}
@@ -320,18 +300,15 @@ def test_draft_state_bytes_do_not_grow_with_context():
         state = init_draft_state(block, 1)
         state = draft_prefill(block, target, state, jnp.zeros((1, context), jnp.int32), jnp.asarray([context]))
         cache = jnp.zeros((1, context, HKV, D))
-        _, state = draft_step(
+        _, state = draft_commit(
             block,
             target,
             state,
             jnp.zeros((1, 4), jnp.int32),
-            jnp.zeros((1, 4), jnp.int32),
+            jnp.arange(4, dtype=jnp.int32)[None],
             jnp.ones((1, 4), bool),
             cache,
             cache,
-            jnp.zeros((1, 4), jnp.int32),
-            jnp.ones((1, 4, 4), bool),
-            commit=True,
         )
         return state
 

@@ -1,4 +1,5 @@
-"""AR generation (generation.py) on tiny random float32 targets against step-by-step full forwards."""
+"""AR generation (generation.py, the loop with a proposer that proposes nothing) on tiny random
+float32 targets against step-by-step full forwards; the public API's input checks and Ctrl-C."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longspec_jax.errors import UserError
-from longspec_jax.generation import Generator, bucket_length, generate
+from longspec_jax import decode_kit
+from longspec_jax.decode_kit import bucket_length
+from longspec_jax.errors import GenerationInterrupted, UserError
+from longspec_jax.generation import Generator, generate
 from longspec_jax.target import random_target
 from tests.tiny_models import tiny_config
 
@@ -82,7 +85,68 @@ def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
     gen.generate([1, 2, 3], max_new_tokens=5, temperature=0.9, top_p=0.8, seed=1)
     again = gen.generate([4, 5, 6, 7, 8, 9], max_new_tokens=7, temperature=0.5, top_p=0.9, seed=2, profile=True)
     assert again.stats.compile_s == 0.0
-    assert set(again.stats.profile) == {"step_in_loop_ms", "step_alone_ms"}
+    assert set(again.stats.profile) == {
+        "step_in_loop_ms",
+        "step_alone_ms",
+        "draft_ms",
+        "verify_ms",
+        "accept_ms",
+        "parts_sum_ms",
+    }
+    assert all(np.isfinite(v) and v > 0 for v in again.stats.profile.values())
+
+
+def test_greedy_and_sampling_share_one_compiled_program(target):
+    """Switching temperature 0 <-> > 0 (and the seed, top-k / top-p values while on) adds no
+    entry to the compile cache; turning top-k on is a new program (a vocabulary sort)."""
+    gen = Generator(target)
+    gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
+    programs = len(decode_kit._COMPILED)
+    greedy = gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
+    sampled = gen.generate(PROMPT_A, max_new_tokens=6, temperature=0.8, seed=5, eos_token_ids=())
+    again = gen.generate(PROMPT_A, max_new_tokens=6, temperature=0.0, eos_token_ids=())
+    assert len(decode_kit._COMPILED) == programs
+    assert sampled.stats.compile_s == again.stats.compile_s == 0.0
+    assert again.tokens == greedy.tokens == [greedy_reference(target, PROMPT_A, 6)]
+    gen.generate(PROMPT_A, max_new_tokens=6, temperature=0.8, top_k=5, eos_token_ids=())
+    assert len(decode_kit._COMPILED) > programs
+
+
+def test_ctrl_c_keeps_the_tokens_made_so_far(target):
+    """A KeyboardInterrupt after the first streamed chunk -> GenerationInterrupted whose result
+    holds that chunk's tokens: the AR prefix."""
+    full = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=10, eos_token_ids=()).tokens
+    chunks = []
+
+    def interrupt_after_first_chunk(tokens):
+        chunks.append(tokens)
+        raise KeyboardInterrupt
+
+    with pytest.raises(GenerationInterrupted) as caught:
+        generate(
+            target,
+            [PROMPT_A, PROMPT_B],
+            max_new_tokens=10,
+            eos_token_ids=(),
+            stream=interrupt_after_first_chunk,
+            stream_every=3,
+        )
+    result = caught.value.result
+    assert isinstance(caught.value, KeyboardInterrupt)
+    assert result.tokens == chunks[0] == [t[:4] for t in full]  # the prefill token + 3 rounds
+    assert result.stats.new_tokens == 8 and result.stats.rounds == 3
+
+
+def test_ctrl_c_before_any_chunk_finished_carries_no_result(target, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    gen = Generator(target)
+    gen.generate(PROMPT_A, max_new_tokens=4, eos_token_ids=())  # compiled
+    monkeypatch.setattr("longspec_jax.generation._Progress.read", interrupted)
+    with pytest.raises(GenerationInterrupted) as caught:
+        gen.generate(PROMPT_A, max_new_tokens=4, eos_token_ids=())
+    assert caught.value.result is None
 
 
 def test_sampling_is_reproducible_per_seed(target):
@@ -123,6 +187,18 @@ def test_bad_inputs_raise_user_errors(target):
         generate(target, [[1, 2], []], max_new_tokens=4)
     with pytest.raises(UserError, match="context window is 512: shorten the prompt to at most 412"):
         generate(target, [1] * 450, max_new_tokens=100)
+    with pytest.raises(UserError, match="context window of 512 positions .*lower max_new_tokens to at most 511"):
+        generate(target, [1, 2], max_new_tokens=600)
+    with pytest.raises(UserError, match="token ids must be integers, got 1.5"):
+        generate(target, [1.5, 2.5], max_new_tokens=2)
+    with pytest.raises(UserError, match="token ids must be integers"):
+        generate(target, [[1, 2], [3.0, 4]], max_new_tokens=2)
+    with pytest.raises(UserError, match="top_k must be an integer in"):
+        generate(target, [1, 2], max_new_tokens=2, temperature=1.0, top_k=2**40)
+    with pytest.raises(UserError, match="seed must be an integer in"):
+        generate(target, [1, 2], max_new_tokens=2, seed=1e23)
+    with pytest.raises(UserError, match="seed must be an integer"):
+        generate(target, [1, 2], max_new_tokens=2, seed=0.5)
     with pytest.raises(UserError, match="max_new_tokens"):
         generate(target, [1, 2], max_new_tokens=0)
     with pytest.raises(UserError, match="outside the target's vocabulary"):

@@ -104,3 +104,28 @@ def test_gpu_bfloat16_paths_match_float64_reference(impl):
     want, _ = attention_reference(*(np.asarray(x, np.float32) for x in (q, k, v)), mask)
     valid = pos[None, :] < np.asarray(lengths)[:, None]
     assert np.abs(o[valid] - want[valid]).max() < 2e-2 * np.abs(want[valid]).max()
+
+
+def test_kernel_shape_errors_reach_the_user_as_user_errors():
+    """The Pallas kernels raise ValueError on shapes they cannot take; through the dispatch the
+    user gets a UserError with the kernel's message."""
+    q = jnp.zeros((1, 4, 6, 64))
+    k = jnp.zeros((1, 4, 4, 64))
+    with pytest.raises(UserError, match="multiple of KV heads"):
+        attention.masked_attention(q, k, k, jnp.ones((1, 4, 4), bool))
+    with pytest.raises(UserError, match="multiple of KV heads"):
+        attention.hybrid_tree_attention(
+            q, k, k, jnp.full((1,), 2, jnp.int32), k, k, jnp.ones((1, 4, 4), bool), impl="pallas"
+        )
+
+
+def test_kernel_value_errors_become_user_errors(monkeypatch):
+    def refuses(*args, **kwargs):
+        raise ValueError("masked_attention: a shape it cannot take")
+
+    monkeypatch.setattr(attention.pallas_tree, "masked_attention", refuses)
+    with pytest.raises(UserError, match="a shape it cannot take") as caught:
+        attention.masked_attention(
+            jnp.zeros((1, 4, 4, 64)), *(jnp.zeros((1, 4, 4, 64)),) * 2, jnp.ones((1, 4, 4), bool)
+        )
+    assert isinstance(caught.value.__cause__, ValueError)

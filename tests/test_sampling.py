@@ -101,8 +101,27 @@ def test_changing_values_does_not_recompile():
         return filtered_log_probs(logits, params)
 
     logits = jnp.zeros((2, 11))
-    for t, k, p in [(1.0, 3, 0.9), (0.5, 4, 0.8), (2.0, 1, 0.3)]:
+    for t, k, p in [(1.0, 3, 0.9), (0.5, 4, 0.8), (0.0, 2, 0.5), (2.0, 1, 0.3)]:  # greedy included
         f(logits, SamplingParams.create(t, top_k=k, top_p=p))
+    assert len(traces) == 1
+
+
+def test_greedy_and_sampling_picks_are_one_program():
+    """pick_token traces once for temperature 0 and > 0; greedy picks are the argmax whatever the
+    key (the noise is off), sampled ones vary with it."""
+    traces = []
+
+    @jax.jit
+    def pick(key, logits, params):
+        traces.append(1)
+        return pick_token(key, logits, params)
+
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(64, 9)), jnp.float32)
+    greedy, sampled = SamplingParams.create(0.0), SamplingParams.create(1.0)
+    keys = [jax.random.key(s) for s in range(3)]
+    for key in keys:
+        np.testing.assert_array_equal(pick(key, logits, greedy), greedy_pick(logits))
+    assert len({tuple(np.asarray(pick(key, logits, sampled)).tolist()) for key in keys}) == 3
     assert len(traces) == 1
 
 
@@ -126,6 +145,9 @@ def test_samples_follow_the_filtered_distribution():
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.5), "top_k"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(top_k=1e23), "top_k"),
+        (dict(top_k="5"), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
     ],

@@ -1,4 +1,5 @@
-"""The speculative loop (speculative.py) end to end on tiny random float32 targets.
+"""The speculative modes (decode_loop.py with proposers.py's pld and longspec proposers) end to end
+on tiny random float32 targets.
 
 Greedy: every mode must reproduce AR token for token. Sampling: the joint distribution of the first
 three tokens over a large batch of one prompt must match the target's exact distribution.
@@ -15,33 +16,16 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from longspec_jax.decode_kit import SMALL_BUCKETS_UP_TO, StopRule, cache_bytes, compiled, prefill
+from longspec_jax.decode_loop import LoopConfig, decode, propose, start
 from longspec_jax.draft import DraftConfig, draft_hidden
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
-from longspec_jax.generation import (
-    SMALL_BUCKETS_UP_TO,
-    DecodeRequest,
-    Generator,
-    StopRule,
-    cache_bytes,
-    compiled,
-    generate,
-    prefill,
-)
+from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.model import init_cache
+from longspec_jax.proposers import DraftProposer, proposer_for
+from longspec_jax.round_profile import _repeat_propose, _repeat_verify, profile_round, profile_round_parts
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
-from longspec_jax.speculative import (
-    LoopConfig,
-    _repeat_propose,
-    _repeat_verify,
-    drafter_for,
-    profile_round,
-    profile_round_parts,
-    propose_longspec,
-    run_with_drafter,
-    spec_decode,
-    spec_start,
-)
 from longspec_jax.target import random_target
 from longspec_jax.tree import node_depths
 from tests.tiny_models import tiny_config
@@ -86,14 +70,13 @@ def cut_at(tokens, eos):
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDraft:
     """A stand-in draft that knows the greedy continuation (its parameters: int32[B, S], each
     prompt followed by its AR output) and predicts the token at position p + 1 for a query at
     p, except for a fixed pseudo-random ~15% of (position, token) pairs where it guesses wrong.
     Off-path tree nodes get the same guess, which is simply wrong there, as a real draft would be."""
 
     vocab: int
-    tree_slots: int = sum(WIDTHS[:-1])  # the loop sizes the slot masks it passes by this
 
     def init_state(self, params, batch):
         return jnp.zeros((batch, 1), jnp.int32)
@@ -101,41 +84,31 @@ class OracleDrafter:
     def prefill(self, params, target_model, state, tokens, lengths):
         return state
 
-    def step(
-        self,
-        params,
-        target_model,
-        state,
-        tokens,
-        positions,
-        valid,
-        target_k,
-        target_v,
-        cross_len,
-        tree_mask,
-        *,
-        commit,
-        slot_mask=None,
-        tree_offset=0,
-        attn_impl="xla",
-    ):
+    def _logits(self, params, tokens, positions):
         right = jnp.take_along_axis(params, jnp.clip(positions + 1, 0, params.shape[1] - 1), axis=1)
         wrong = (positions * 7919 + tokens * 104729) % 100 < 15
         guess = jnp.where(wrong, (right + 1) % self.vocab, right)
-        logits = 6.0 * jax.nn.one_hot(guess, self.vocab) + 0.1 * jax.nn.one_hot((guess + 2) % self.vocab, self.vocab)
-        return logits, state
+        return 6.0 * jax.nn.one_hot(guess, self.vocab) + 0.1 * jax.nn.one_hot((guess + 2) % self.vocab, self.vocab)
+
+    def commit(self, params, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl):
+        return self._logits(params, tokens, positions), state
+
+    def propose_level(
+        self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
+    ):
+        return self._logits(params, tokens, root_positions[:, None] + depth), state
 
 
 def oracle_generate(target, prompts, reference, max_new, eos=()):
-    """Greedy longspec with the oracle drafter."""
+    """Greedy longspec with the oracle draft."""
     known = np.zeros((len(prompts), max(map(len, prompts)) + MAX_NEW), np.int32)
     for b, (p, out) in enumerate(zip(prompts, reference)):
         known[b, : len(p) + len(out)] = p + out
-    generator = Generator(target, mode="longspec", attn_impl="xla")
+    generator = Generator(target, mode="ar", attn_impl="xla")
+    generator.proposer = DraftProposer(OracleDraft(target.config.vocab_size), WIDTHS)
+    generator.proposer_params = jnp.asarray(known)
     request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=tuple(eos))
-    return run_with_drafter(
-        generator, prompts, request, WIDTHS, OracleDrafter(target.config.vocab_size), jnp.asarray(known)
-    )
+    return generator.decode(prompts, request)
 
 
 @pytest.fixture(scope="module")
@@ -212,16 +185,15 @@ def test_pld_greedy_equals_ar(target, prompts):
 def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_draft_result):
     """The loop's initial state for a 100-token and a 4000-token prompt (shapes only, eval_shape),
     and the bytes a real run reports."""
-    drafter, draft_params = drafter_for(draft, WIDTHS)
+    proposer, draft_params = proposer_for("longspec", target, draft, WIDTHS)
     graphdef, params = nnx.split(target.model)
-    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    config = LoopConfig(graphdef, proposer, MAX_NEW, "xla")
 
     def state_bytes(prompt_len):
         bucket = -(-prompt_len // SMALL_BUCKETS_UP_TO) * SMALL_BUCKETS_UP_TO
         cache = jax.eval_shape(lambda: init_cache(target.config, 2, bucket + MAX_NEW + 13, jnp.float32))
-        start = functools.partial(spec_start, graphdef=graphdef, drafter=drafter, config=config)
         state = jax.eval_shape(
-            start,
+            functools.partial(start, config=config),
             params,
             draft_params,
             cache,
@@ -232,7 +204,7 @@ def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_
             jax.random.key(0),
             StopRule.create((), MAX_NEW),
         )
-        return cache_bytes(state.draft_state), cache_bytes(state.cache)
+        return cache_bytes(state.proposal.draft), cache_bytes(state.cache)
 
     short_draft, short_target = state_bytes(100)
     long_draft, long_target = state_bytes(4000)
@@ -318,8 +290,7 @@ def loop_start(target, prompts, draft):
     """The loop's initial greedy state after prefill of `prompts` (bucket 16), with the programs
     `generate` compiled for `random_draft_result` (same shapes and statics)."""
     graphdef, params = nnx.split(target.model)
-    drafter, draft_params = drafter_for(draft, WIDTHS)
-    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    config, draft_params = loop_config(target, draft)
     tokens = np.zeros((2, 16), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
@@ -339,8 +310,14 @@ def loop_start(target, prompts, draft):
         jax.random.key(0),
         StopRule.create((), MAX_NEW),
     )
-    start, _ = compiled(spec_start, *start_args, graphdef=graphdef, drafter=drafter, config=config)
-    return start(*start_args)
+    run_start, _ = compiled(start, *start_args, config=config)
+    return run_start(*start_args)
+
+
+def loop_config(target, draft):
+    """(the loop's static config for longspec with `draft` and WIDTHS, the draft's parameters)."""
+    proposer, draft_params = proposer_for("longspec", target, draft, WIDTHS)
+    return LoopConfig(nnx.graphdef(target.model), proposer, MAX_NEW, "xla"), draft_params
 
 
 def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, prompts, draft, random_draft_result):
@@ -350,51 +327,47 @@ def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, pr
     computation). Each consumes the buffers it updates: JAX deletes a donated input only when the
     program really reuses it for an output, so the target cache was written in place, not copied
     (a copy per part made the parts outweigh the round on the H200)."""
-    graphdef, params = nnx.split(target.model)
-    drafter, draft_params = drafter_for(draft, WIDTHS)
-    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    params = nnx.state(target.model)
+    config, draft_params = loop_config(target, draft)
     sampling = SamplingParams.create()
     rounds = 3
 
     looped = loop_start(target, prompts, draft)
     stop_at = jnp.asarray(rounds, jnp.int32)
-    decode, _ = compiled(
-        spec_decode, params, draft_params, looped, stop_at, sampling, graphdef=graphdef, drafter=drafter, config=config
-    )
-    looped = decode(params, draft_params, looped, stop_at, sampling)
+    run_decode, _ = compiled(decode, params, draft_params, looped, stop_at, sampling, config=config)
+    looped = run_decode(params, draft_params, looped, stop_at, sampling)
 
     state = loop_start(target, prompts, draft)
-    donated = jax.tree.leaves((state.cache, state.draft_state, state.history))
+    donated = jax.tree.leaves((state.cache, state.proposal, state.out))
     for _ in range(rounds):
-        seconds, state = profile_round_parts(graphdef, params, drafter, draft_params, state, sampling, config, n=1)
+        seconds, state = profile_round_parts(config, params, draft_params, state, sampling, n=1)
     assert all(x.is_deleted() for x in donated)
     assert len(seconds) == 3 and all(np.isfinite(t) and t > 0 for t in seconds)
-    for name in ("rounds", "history", "n_new", "n_pending", "done", "emitted", "active_rounds"):
+    for name in ("rounds", "out", "roots", "n_new", "done", "active_rounds"):
         np.testing.assert_array_equal(getattr(state, name), getattr(looped, name), err_msg=name)
+    for name in ("pending", "n_pending"):
+        np.testing.assert_array_equal(getattr(state.proposal, name), getattr(looped.proposal, name), err_msg=name)
     np.testing.assert_array_equal(state.cache.lengths, looped.cache.lengths)
-    assert int(looped.emitted) >= 2 * rounds  # every round emitted for both sequences
+    assert int((looped.n_new - 1).sum()) >= 2 * rounds  # every round emitted for both sequences
     for got, want in zip(
-        jax.tree.leaves((state.cache, state.draft_state)), jax.tree.leaves((looped.cache, looped.draft_state))
+        jax.tree.leaves((state.cache, state.proposal.draft)), jax.tree.leaves((looped.cache, looped.proposal.draft))
     ):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=1e-5, rtol=1e-5)
 
     # n repetitions inside one program == n chained one-repetition programs (the loop repeats the part).
-    rest = looped.replace(draft_state=None)
-    statics = dict(graphdef=graphdef, drafter=drafter, config=config)
+    rest = looped.replace(proposal=None)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731 (the programs donate their inputs)
     one, three = jnp.asarray(1), jnp.asarray(3)
-    chained = (None, copy(looped.draft_state))
+    chained = (None, copy(looped.proposal))
     for _ in range(3):
-        chained = _repeat_propose(params, draft_params, rest, chained[1], one, **statics)
-    repeated = _repeat_propose(params, draft_params, rest, copy(looped.draft_state), three, **statics)
+        chained = _repeat_propose(params, draft_params, rest, chained[1], one, config=config)
+    repeated = _repeat_propose(params, draft_params, rest, copy(looped.proposal), three, config=config)
     assert_trees_close(repeated, chained)
     tree = repeated[0]
     chained = (None, copy(looped.cache))
     for _ in range(3):
-        chained = _repeat_verify(params, tree, chained[1], one, graphdef=graphdef, config=config)
-    assert_trees_close(
-        _repeat_verify(params, tree, copy(looped.cache), three, graphdef=graphdef, config=config), chained
-    )
+        chained = _repeat_verify(params, tree, chained[1], one, config=config)
+    assert_trees_close(_repeat_verify(params, tree, copy(looped.cache), three, config=config), chained)
 
 
 def assert_trees_close(got, want):
@@ -403,23 +376,19 @@ def assert_trees_close(got, want):
 
 
 def test_profile_round_reports_per_repetition_milliseconds(target, prompts, draft, random_draft_result):
-    graphdef, params = nnx.split(target.model)
-    drafter, draft_params = drafter_for(draft, WIDTHS)
-    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
+    config, draft_params = loop_config(target, draft)
     parts, state = profile_round(
-        graphdef,
-        params,
-        drafter,
+        config,
+        nnx.state(target.model),
         draft_params,
         loop_start(target, prompts, draft),
         SamplingParams.create(),
-        config,
         repeats=2,
     )
-    assert set(parts) == {"draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"}
+    assert set(parts) == {"step_alone_ms", "draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"}
     assert all(np.isfinite(v) and v > 0 for v in parts.values())
     assert parts["parts_sum_ms"] == pytest.approx(parts["draft_ms"] + parts["verify_ms"] + parts["accept_ms"])
-    assert int(state.rounds) == 1 + 2  # the warm-up acceptance and the two repetitions
+    assert int(state.rounds) == 2 * (1 + 2)  # alone: a warm-up and two; parts: a warm-up and two
 
 
 def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prompts, draft, random_draft_result):
@@ -428,26 +397,24 @@ def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prom
     the query at tree depth d sees the target prefix [0, root position), i.e. flash-noisy lag d + 1.
     (The programs are the ones `random_draft_result` compiled: same shapes and statics.)"""
     graphdef, params = nnx.split(target.model)
-    drafter, draft_params = drafter_for(draft, WIDTHS)
-    config = LoopConfig(mode="longspec", tree_widths=WIDTHS, new_bucket=MAX_NEW, attn_impl="xla")
-    statics = dict(graphdef=graphdef, drafter=drafter, config=config)
+    config, draft_params = loop_config(target, draft)
     sampling = SamplingParams.create()
     state = loop_start(target, prompts, draft)
     stop_at = jnp.asarray(2, jnp.int32)
-    decode, _ = compiled(spec_decode, params, draft_params, state, stop_at, sampling, **statics)
-    state = decode(params, draft_params, state, stop_at, sampling)
-    propose = jax.jit(lambda p, dp, s: propose_longspec(drafter, dp, nnx.merge(graphdef, p), s, config))
-    tree, _ = propose(params, draft_params, state)
+    run_decode, _ = compiled(decode, params, draft_params, state, stop_at, sampling, config=config)
+    state = run_decode(params, draft_params, state, stop_at, sampling)
+    tree, _ = jax.jit(lambda p, dp, s: propose(config, dp, nnx.merge(graphdef, p), s))(params, draft_params, state)
 
     assert int(state.rounds) == 2 and int(state.cache.lengths.max()) > 8  # the ring has wrapped
     depths = node_depths(WIDTHS)
     _, draft_vars = nnx.split(draft.block)
     for b in range(2):
         root_pos = int(state.cache.lengths[b])
-        prefix = [int(t) for t in state.history[b, : root_pos + 1]]
+        prefix = prompts[b] + [int(t) for t in state.out[b, : int(state.n_new[b])]]
+        assert len(prefix) == root_pos + 1
         node_tokens, parents = np.asarray(tree.tokens[b]), np.asarray(tree.parents[b])
 
-        def chain(i):
+        def chain(i, node_tokens=node_tokens, parents=parents, prefix=prefix):
             out = []
             while i > 0:
                 out.append(int(node_tokens[i]))

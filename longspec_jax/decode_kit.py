@@ -1,0 +1,285 @@
+"""The decode kit: what every decode mode shares around its device loop.
+
+- results: `GenerationResult` / `GenerationStats` (`make_stats`, `cache_bytes`);
+- prompts: `normalize_prompts` (text / ids / batches -> id lists) and `check_prompts` (ids in the
+  vocabulary, prompt + max_new_tokens inside the window), each naming the fix on bad input;
+- static shapes: `bucket_length`, `plan_lengths` (prompt bucket, output bucket, cache rows) and
+  `prompt_batch` (right-padded); one compiled program then serves every prompt of a bucket;
+- `StopRule` (EOS ids / max_new_tokens as arrays) and `finish_tokens` (truncation after EOS);
+- `prefill` (jitted; parameters are arguments) and `compiled`, the per-process compile cache keyed
+  by function, argument shapes and static values, which also times compilation apart from running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from longspec_jax.errors import UserError
+from longspec_jax.model import init_cache
+from longspec_jax.tokenizer import encode_prompt
+
+PAD_TOKEN = -1  # fills the output buffer after a sequence stops; never returned
+SMALL_BUCKETS_UP_TO = 256  # up to this, lengths round up to a power of two (>= 16); above, see bucket_length
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings and counts of one generate call. tokens_per_s = new_tokens / decode_s (all
+    sequences together; the first token of each comes out of prefill). tau = mean tokens emitted
+    per target forward after prefill (1 for AR); rounds = target forwards after prefill."""
+
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
+    tokens_per_s: float
+    tau: float
+    rounds: int
+    draft_cache_bytes: int
+    target_cache_bytes: int
+    prompt_tokens: int = 0
+    compile_s: float = 0.0
+    profile: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def line(self) -> str:
+        """One human-readable summary line."""
+        text = (
+            f"{self.new_tokens} new tokens in {self.decode_s:.2f} s ({self.tokens_per_s:.1f} tok/s) | "
+            f"prefill {self.prompt_tokens} tokens {self.prefill_s:.2f} s | tau {self.tau:.2f} over "
+            f"{self.rounds} rounds | cache target {_mib(self.target_cache_bytes)}, draft "
+            f"{_mib(self.draft_cache_bytes)}"
+        )
+        if self.compile_s:
+            text += f" | compile {self.compile_s:.1f} s"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens: the new tokens per sequence, truncated after the first EOS (kept, as HF does);
+    text: their decoding (special tokens skipped) when the target has a tokenizer."""
+
+    tokens: list[list[int]]
+    stats: GenerationStats
+    text: list[str] | None = None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def cache_bytes(tree) -> int:
+    """Bytes held by all arrays of a pytree (a KV cache, a draft state; jax.eval_shape results too)."""
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def make_stats(
+    *,
+    prefill_s,
+    decode_s,
+    tokens,
+    rounds,
+    tau,
+    target_cache_bytes,
+    draft_cache_bytes,
+    prompt_tokens,
+    compile_s=0.0,
+    profile=None,
+) -> GenerationStats:
+    """GenerationStats with new_tokens / tokens_per_s derived from the returned tokens."""
+    new_tokens = sum(len(t) for t in tokens)
+    return GenerationStats(
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        new_tokens=new_tokens,
+        tokens_per_s=new_tokens / decode_s if decode_s > 0 else 0.0,
+        tau=tau,
+        rounds=rounds,
+        draft_cache_bytes=draft_cache_bytes,
+        target_cache_bytes=target_cache_bytes,
+        prompt_tokens=prompt_tokens,
+        compile_s=compile_s,
+        profile=dict(profile or {}),
+    )
+
+
+# ----------------------------------------------------------------------------- prompts and shapes
+
+
+@struct.dataclass
+class StopRule:
+    """When a sequence stops, as arrays (no recompiles): eos_ids int32[E], max_new_tokens int32[]."""
+
+    eos_ids: jax.Array
+    max_new_tokens: jax.Array
+
+    @classmethod
+    def create(cls, eos_token_ids: Sequence[int], max_new_tokens: int) -> StopRule:
+        ids = list(eos_token_ids) or [PAD_TOKEN]  # PAD_TOKEN never matches a real token
+        return cls(jnp.asarray(ids, jnp.int32), jnp.asarray(max_new_tokens, jnp.int32))
+
+    def is_eos(self, tokens: jax.Array) -> jax.Array:
+        """bool of tokens' shape."""
+        return jnp.any(tokens[..., None] == self.eos_ids, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """Right-padded prompts: tokens int32[B, L_bucket] (padding 0), lengths int32[B]."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+
+def bucket_length(n: int) -> int:
+    """The padded size for a length n: a power of two >= 16 up to 256, then quarter-octave steps
+    (256 < n <= 512: multiples of 64; 512 < n <= 1024: of 128; ...), so padding stays under 25 %
+    while a 2k-8k range holds only 12 buckets (one prefill compilation each)."""
+    if n <= SMALL_BUCKETS_UP_TO:
+        return max(16, 1 << (max(n, 1) - 1).bit_length())
+    step = (1 << (n - 1).bit_length()) // 8
+    return -(-n // step) * step
+
+
+def plan_lengths(longest_prompt: int, max_new_tokens: int, *, slack: int = 0) -> tuple[int, int, int]:
+    """(prompt bucket, output bucket, cache rows). `slack`: extra cache rows a mode writes past the
+    last kept token (e.g. a speculative tree).
+
+    The cache rows are a power of two: the decode loop's shapes depend on them alone, so prompts
+    from 2k to 4k tokens (say) share one compiled loop and only the cheap prefill compiles per
+    prompt bucket. The Pallas and cuDNN kernels read only the rows in use, so a roomier cache
+    costs no time on GPU."""
+    prompt_bucket = bucket_length(longest_prompt)
+    new_bucket = bucket_length(max_new_tokens)
+    return prompt_bucket, new_bucket, 1 << (prompt_bucket + new_bucket + slack - 1).bit_length()
+
+
+def prompt_batch(prompts: list[list[int]], prompt_bucket: int) -> PromptBatch:
+    """Right-pad validated prompts to [B, prompt_bucket]."""
+    tokens = np.zeros((len(prompts), prompt_bucket), np.int32)
+    for row, ids in zip(tokens, prompts):
+        row[: len(ids)] = ids
+    return PromptBatch(tokens, np.asarray([len(p) for p in prompts], np.int32))
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _token_ids(ids) -> list[int]:
+    """A sequence of token ids as ints; anything else (floats, nested lists) names the fix."""
+    bad = [t for t in ids if not _is_token_id(t)] if isinstance(ids, Sequence) else [ids]
+    if bad:
+        bad = bad[0]
+        raise UserError(
+            f"token ids must be integers, got {bad!r} ({type(bad).__name__}): pass a list of int token ids "
+            "(e.g. [1, 2, 3]), a list of such lists, or text"
+        )
+    return [int(t) for t in ids]
+
+
+def normalize_prompts(prompt, tokenizer=None, *, chat: bool = False) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] (or int arrays) -> list of token-id lists."""
+    if isinstance(prompt, np.ndarray | jax.Array):
+        prompt = np.asarray(prompt).tolist()
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, Sequence) or len(prompt) == 0:
+        raise UserError("empty prompt: pass at least one token (or non-empty text)")
+    prompt = [np.asarray(p).tolist() if isinstance(p, np.ndarray | jax.Array) else p for p in prompt]
+    if not any(isinstance(p, str | Sequence) for p in prompt):
+        prompt = [prompt]  # one prompt of ids
+    if tokenizer is None and any(isinstance(p, str) for p in prompt):
+        raise UserError(
+            "this target has no tokenizer: pass token ids instead of text, or load a checkpoint with a tokenizer"
+        )
+    prompts = []
+    for p in prompt:
+        ids = encode_prompt(tokenizer, p, chat=chat) if isinstance(p, str) else _token_ids(p)
+        if not ids:
+            raise UserError("empty prompt: every prompt needs at least one token")
+        prompts.append(ids)
+    return prompts
+
+
+def check_prompts(prompts: list[list[int]], config, max_new_tokens: int) -> None:
+    """Token ids in range and prompt + max_new_tokens inside the context window."""
+    if not isinstance(max_new_tokens, numbers.Real) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    for ids in prompts:
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise UserError(
+                f"token id {bad[0]} is outside the target's vocabulary [0, {config.vocab_size}): check the tokenizer"
+            )
+    longest = max(len(p) for p in prompts)
+    window = config.max_position_embeddings
+    if max_new_tokens >= window:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} does not fit the target's context window of {window} positions "
+            f"(the prompt needs at least one): lower max_new_tokens to at most {window - 1}"
+        )
+    if longest + max_new_tokens > window:
+        raise UserError(
+            f"prompt has {longest} tokens; with max_new_tokens={max_new_tokens} that needs "
+            f"{longest + max_new_tokens} positions but the target's context window is {window}: shorten "
+            f"the prompt to at most {window - max_new_tokens} tokens or lower max_new_tokens"
+        )
+
+
+def finish_tokens(out: np.ndarray, num_tokens: np.ndarray, eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """out int[B, N] with num_tokens[b] valid entries -> per-sequence lists cut after the first EOS."""
+    eos = set(eos_token_ids)
+    result = []
+    for row, n in zip(np.asarray(out), np.asarray(num_tokens)):
+        ids = [int(t) for t in row[: int(n)]]
+        cut = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+        result.append(ids[:cut])
+    return result
+
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def compiled(jitted, *args, **static) -> tuple[Any, float]:
+    """(executable, seconds spent compiling) of a `jax.jit` function for these arguments' shapes
+    (arrays or ShapeDtypeStructs) and static keyword values; compiled at most once per process."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (jitted, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves), tuple(sorted(static.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    start = time.perf_counter()
+    _COMPILED[key] = jitted.lower(*args, **static).compile()
+    return _COMPILED[key], time.perf_counter() - start
+
+
+def timed(fn, *args):
+    """(fn(*args) after block_until_ready, seconds)."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - start
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "attn_impl"))
+def prefill(params, tokens, lengths, *, graphdef, max_len: int, attn_impl: str):
+    """Target prefill of right-padded prompts into a fresh cache of max_len rows.
+    -> (float32[B, V] logits at each prompt's last token, KVCache)."""
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(model.config, tokens.shape[0], max_len, model.dtype)
+    return model.prefill(tokens, lengths, cache, attn_impl=attn_impl)

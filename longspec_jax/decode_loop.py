@@ -1,0 +1,181 @@
+"""The device loop after prefill: one jitted `lax.while_loop` of rounds, the same for every mode.
+
+A round, for every sequence of the batch at once (SPEC.md 5):
+  1. propose: the proposer (proposers.py) builds a tree rooted at the last emitted token (the
+     root, not in the target cache yet). AR's proposer proposes nothing: the tree of the root
+     alone, so an AR round is one decode step;
+  2. verify: one target `forward_block` over the N tree nodes at positions root position + depth
+     under the tree mask (hybrid tree attention), writing their K/V after the cache end;
+  3. accept: the target's pick at every node (`sampling.pick_token`: argmax when greedy, an exact
+     sample otherwise; one program for both), then the walk down the tree (acceptance.py), cut at
+     the first EOS / at max_new_tokens;
+  4. commit: the root and the kept nodes move into place at the cache end (model.commit); the last
+     kept token is the next root; the proposer is told what was kept.
+Finished sequences still ride along through the forwards (static shapes) but keep nothing.
+
+`LoopConfig` holds the static settings (one compiled program per distinct value), `LoopState` the
+carry. Lengths, limits and sampling values are arrays, so nothing recompiles per prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from longspec_jax.acceptance import Acceptance, accept
+from longspec_jax.decode_kit import StopRule
+from longspec_jax.model import KVCache, Transformer, commit
+from longspec_jax.proposers import write_rows
+from longspec_jax.sampling import SamplingParams, pick_token
+from longspec_jax.tree import Tree, node_depths
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static settings of the loop. graphdef: the target's (nnx.split); proposer: a frozen
+    proposer (proposers.py); new_bucket: the output length the buffers are sized for (>=
+    max_new_tokens); attn_impl: the target's attention implementation."""
+
+    graphdef: Any
+    proposer: Any
+    new_bucket: int
+    attn_impl: str
+
+    @property
+    def depth(self) -> int:
+        return len(self.proposer.widths)
+
+
+@struct.dataclass
+class LoopState:
+    """The loop's carry. roots int32[B]: the last emitted token of each sequence; out
+    int32[B, new_bucket + D + 1]: the generated tokens, valid up to n_new[b] (the room past the
+    bucket takes a round's full write); rounds: target forwards so far; active_rounds int32[B]:
+    rounds each sequence ran while not done (tau = tokens kept by rounds, sum(n_new - 1), over
+    their sum)."""
+
+    cache: KVCache
+    proposal: Any
+    roots: jax.Array
+    out: jax.Array
+    n_new: jax.Array
+    done: jax.Array
+    key: jax.Array
+    rounds: jax.Array
+    active_rounds: jax.Array
+    stop: StopRule
+
+
+# ----------------------------------------------------------------------------- one round
+
+
+def propose(config: LoopConfig, proposer_params, model: Transformer, state: LoopState):
+    """-> (tree, proposer state)."""
+    return config.proposer.propose(proposer_params, model, state.proposal, state.roots, state.cache, config.attn_impl)
+
+
+def verify(config: LoopConfig, model: Transformer, tree: Tree, cache: KVCache):
+    """-> (target logits float32[B, N, V] at every node, cache with the tree's K/V after its end)."""
+    positions = cache.lengths[:, None] + jnp.asarray(node_depths(tree.widths))[None, :]
+    return model.forward_block(tree.tokens, positions, tree.mask, cache, attn_impl=config.attn_impl)
+
+
+def _keep(acc: Acceptance, state: LoopState, depth: int):
+    """How many of this round's emitted tokens each sequence keeps (through the first EOS, up to
+    max_new_tokens; 0 once done), and whether it ends here."""
+    slots = jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+    is_eos = state.stop.is_eos(acc.emitted) & (slots < acc.n_emitted[:, None])
+    first_eos = jnp.min(jnp.where(is_eos, slots, depth + 1), axis=1)  # depth + 1: none
+    hit_eos = first_eos <= depth
+    through_eos = jnp.where(hit_eos, first_eos + 1, acc.n_emitted)
+    n_keep = jnp.minimum(through_eos, state.stop.max_new_tokens - state.n_new)
+    n_keep = jnp.where(state.done, 0, n_keep).astype(jnp.int32)
+    ends = (hit_eos & (through_eos <= n_keep)) | (state.n_new + n_keep >= state.stop.max_new_tokens)
+    return n_keep, ends
+
+
+def accept_and_commit(
+    config: LoopConfig, state: LoopState, tree: Tree, logits, cache: KVCache, proposal, sampling: SamplingParams
+) -> LoopState:
+    """Steps 3 and 4 of a round, from the verified tree (cache: the one verify returned)."""
+    picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
+    acc = accept(tree, picks)
+    n_keep, ends = _keep(acc, state, config.depth)
+    # The root and the nodes of all kept tokens but the last (the next root) join the cache.
+    cache = commit(cache, acc.path, n_keep)
+    if config.depth == 0:
+        # One token per round: every live sequence holds rounds + 1 tokens, so one column takes
+        # them all (a plain slice update, cheaper than a per-row scatter in the AR step).
+        out = jax.lax.dynamic_update_slice(state.out, acc.emitted, (0, state.rounds + 1))
+    else:
+        out = write_rows(state.out, acc.emitted, state.n_new)
+    return state.replace(
+        cache=cache,
+        proposal=config.proposer.accept(proposal, acc.emitted, n_keep, cache.lengths - n_keep + 1),
+        roots=jnp.where(n_keep > 0, acc.bonus, state.roots),
+        out=out,
+        n_new=state.n_new + n_keep,
+        done=state.done | ends,
+        rounds=state.rounds + 1,
+        active_rounds=state.active_rounds + (~state.done).astype(jnp.int32),
+    )
+
+
+def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams) -> LoopState:
+    model = nnx.merge(config.graphdef, params)
+    tree, proposal = propose(config, proposer_params, model, state)
+    logits, cache = verify(config, model, tree, state.cache)
+    return accept_and_commit(config, state, tree, logits, cache, proposal, sampling)
+
+
+# ----------------------------------------------------------------------------- jitted programs
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def start(
+    params,
+    proposer_params,
+    cache: KVCache,
+    prompt_tokens,
+    prompt_lengths,
+    last_logits,
+    sampling: SamplingParams,
+    key,
+    stop: StopRule,
+    *,
+    config: LoopConfig,
+) -> LoopState:
+    """The loop's initial state from the prefill: the first token picked from its logits
+    float32[B, V], and the proposer's state filled from the prompts (int32[B, prompt bucket])."""
+    model = nnx.merge(config.graphdef, params)
+    b = prompt_tokens.shape[0]
+    first = pick_token(jax.random.fold_in(key, 0), last_logits, sampling)
+    return LoopState(
+        cache=cache,
+        proposal=config.proposer.init(proposer_params, model, cache, prompt_tokens, prompt_lengths, first),
+        roots=first,
+        out=jnp.zeros((b, config.new_bucket + config.depth + 1), jnp.int32).at[:, 0].set(first),
+        n_new=jnp.ones((b,), jnp.int32),
+        done=stop.is_eos(first) | (stop.max_new_tokens <= 1),
+        key=key,
+        rounds=jnp.zeros((), jnp.int32),
+        active_rounds=jnp.zeros((b,), jnp.int32),
+        stop=stop,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def decode(params, proposer_params, state: LoopState, stop_at, sampling: SamplingParams, *, config: LoopConfig):
+    """Rounds until every sequence is done or `rounds` reaches stop_at (int32[]; the host driver
+    raises it chunk by chunk). -> the state."""
+
+    def body(s):
+        # Merged inside the body so the parameters are loop inputs, not constants.
+        return run_round(config, params, proposer_params, s, sampling)
+
+    return jax.lax.while_loop(lambda s: (s.rounds < stop_at) & ~jnp.all(s.done), body, state)

@@ -1,0 +1,223 @@
+"""Proposers: what puts a tree of candidate tokens in front of the target each round.
+
+A round (decode_loop.py) asks its proposer for a tree rooted at the last emitted token (the root,
+not in the target cache yet), verifies it with one target forward, accepts a path and tells the
+proposer which tokens were kept. A proposer is a frozen, hashable dataclass (part of the loop's
+static config); its parameters travel apart as a jit argument, its state rides in the loop state:
+
+    widths                                   the tree's level widths, static; () = the root alone
+    init(params, model, cache, prompt_tokens, prompt_lengths, first) -> state
+    propose(params, model, state, roots, cache, attn_impl) -> (tree.Tree, state)
+    accept(state, tokens, n_tokens, positions) -> state
+        tokens int32[B, D+1] kept this round (the first n_tokens[b] valid), positions int32[B]
+        the position of tokens[:, 0]; the last kept token is the next root.
+    cache_bytes(state) -> int                bytes of a draft model's cache (0 without one)
+
+- `NoProposal` (mode "ar"): the root alone, so a round is one AR step.
+- `PromptLookup` (mode "pld"): the chain that followed the last n-gram's latest earlier
+  occurrence (pld.py) in its own copy of prompt + output.
+- `DraftProposer` (mode "longspec"): the LongSpec draft. It feeds the tokens kept last round to the
+  draft (`commit`, which also gives the root's distribution), then grows the tree level by level
+  (`propose_level`, tree.py's beam). The draft owns its ring buffer and tree slots (draft.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from longspec_jax.decode_kit import cache_bytes
+from longspec_jax.draft import draft_commit, draft_prefill, draft_propose_level, init_draft_state
+from longspec_jax.errors import UserError
+from longspec_jax.pld import propose_chain
+from longspec_jax.tree import (
+    DEFAULT_WIDTHS,
+    chain_tree,
+    expand_level,
+    init_tree,
+    level_block,
+    root_tree,
+    validate_widths,
+)
+
+PLD_DEFAULT_TOKENS = 10  # candidates per PLD round (HF's prompt_lookup_num_tokens default)
+PLD_MAX_NGRAM, PLD_MIN_NGRAM = 3, 1
+
+
+def write_rows(buffer: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:
+    """buffer [B, S] with values [B, T] written at columns [start[b], start[b] + T)."""
+    return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v.astype(row.dtype), (s,)))(
+        buffer, values, start
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class NoProposal:
+    """AR: the tree of the root alone; verifying it is one decode step."""
+
+    widths: tuple[int, ...] = ()
+
+    def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
+        return ()
+
+    def propose(self, params, model, state, roots, cache, attn_impl):
+        return root_tree(roots), state
+
+    def accept(self, state, tokens, n_tokens, positions):
+        return state
+
+    def cache_bytes(self, state) -> int:
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """PLD over its own history int32[B, cache rows]: prompt then output, a token's index its
+    position (as long as the cache, so the loop's shapes depend on the cache bucket alone)."""
+
+    widths: tuple[int, ...] = (1,) * PLD_DEFAULT_TOKENS
+
+    def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
+        history = jnp.zeros((prompt_tokens.shape[0], cache.max_len), jnp.int32)
+        history = history.at[:, : prompt_tokens.shape[1]].set(prompt_tokens)
+        return write_rows(history, first[:, None], prompt_lengths)
+
+    def propose(self, params, model, history, roots, cache, attn_impl):
+        chain, _ = propose_chain(
+            history, cache.lengths + 1, num_tokens=len(self.widths), max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM
+        )
+        return chain_tree(roots, chain), history
+
+    def accept(self, history, tokens, n_tokens, positions):
+        return write_rows(history, tokens, positions)
+
+    def cache_bytes(self, state) -> int:
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDraft:
+    """The LongSpec draft block (draft.py) behind the calls `DraftProposer` makes; static. Its
+    parameters (nnx.split of the block) are the proposer's parameters. A stand-in draft (a test
+    oracle) provides the same four methods."""
+
+    graphdef: Any
+    tree_slots: int
+
+    def init_state(self, params, batch: int):
+        return init_draft_state(nnx.merge(self.graphdef, params), batch, tree_slots=self.tree_slots)
+
+    def prefill(self, params, target_model, state, tokens, lengths):
+        return draft_prefill(nnx.merge(self.graphdef, params), target_model, state, tokens, lengths)
+
+    def commit(self, params, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl):
+        block = nnx.merge(self.graphdef, params)
+        return draft_commit(
+            block, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl=attn_impl
+        )
+
+    def propose_level(
+        self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
+    ):
+        block = nnx.merge(self.graphdef, params)
+        return draft_propose_level(
+            block, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl=attn_impl
+        )
+
+
+@struct.dataclass
+class DraftProposal:
+    """The LongSpec proposer's state: the draft's own (ring and tree slots) and the tokens kept
+    last round, which the draft has not seen yet: pending int32[B, D+1], the first n_pending[b]."""
+
+    draft: Any
+    pending: jax.Array
+    n_pending: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftProposer:
+    draft: Any
+    widths: tuple[int, ...]
+
+    def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
+        b = prompt_tokens.shape[0]
+        state = self.draft.prefill(params, model, self.draft.init_state(params, b), prompt_tokens, prompt_lengths)
+        pending = jnp.zeros((b, len(self.widths) + 1), jnp.int32).at[:, 0].set(first)
+        return DraftProposal(draft=state, pending=pending, n_pending=jnp.ones((b,), jnp.int32))
+
+    def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl):
+        """The draft reads the kept tokens (they end with the root), then the beam levels."""
+        root_pos = cache.lengths  # the tokens before the root are all in the cache
+        target_k, target_v = cache.k[-1], cache.v[-1]
+        rows = jnp.arange(state.pending.shape[1], dtype=jnp.int32)[None, :]
+        valid = rows < state.n_pending[:, None]
+        positions = jnp.where(valid, root_pos[:, None] - state.n_pending[:, None] + 1 + rows, root_pos[:, None])
+        logits, draft = self.draft.commit(
+            params, model, state.draft, state.pending, positions, valid, target_k, target_v, attn_impl
+        )
+        root_row = jnp.maximum(state.n_pending - 1, 0)[:, None, None]
+        root_logits = jnp.take_along_axis(logits, root_row, axis=1)[:, 0]
+        tree = init_tree(roots, jax.nn.log_softmax(root_logits, axis=-1), self.widths)
+        for depth in range(1, len(self.widths)):
+            tokens, _, sees = level_block(tree, depth, root_pos)
+            logits, draft = self.draft.propose_level(
+                params, model, draft, tokens, depth, sees, root_pos, target_k, target_v, attn_impl
+            )
+            tree = expand_level(tree, depth, jax.nn.log_softmax(logits, axis=-1))
+        return tree, state.replace(draft=draft)
+
+    def accept(self, state: DraftProposal, tokens, n_tokens, positions):
+        return state.replace(pending=tokens.astype(jnp.int32), n_pending=n_tokens)
+
+    def cache_bytes(self, state: DraftProposal) -> int:
+        return cache_bytes(state.draft)
+
+
+# ----------------------------------------------------------------------------- by mode
+
+
+def check_draft(draft, target_config) -> None:
+    """The draft must have been built for a target of this shape."""
+    fields = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "rope_scaling")
+    mine = draft.target_config
+    bad = [f for f in fields if getattr(mine, f) != getattr(target_config, f)]
+    if bad:
+        differences = ", ".join(f"{f} {getattr(mine, f)} vs {getattr(target_config, f)}" for f in bad)
+        raise UserError(
+            f"the draft was made for a different target ({differences}): load the draft trained for this target"
+        )
+
+
+def resolve_widths(mode: str, tree_widths, vocab_size: int) -> tuple[int, ...]:
+    """The mode's tree widths: longspec defaults to DEFAULT_WIDTHS; pld to a chain of
+    PLD_DEFAULT_TOKENS and accepts only chains (all widths 1); ar proposes nothing."""
+    if mode == "ar":
+        return ()
+    if mode == "pld":
+        widths = (1,) * PLD_DEFAULT_TOKENS if tree_widths is None else validate_widths(tree_widths, vocab_size)
+        if set(widths) != {1}:
+            raise UserError(f"mode 'pld' verifies a chain: tree widths must all be 1 (e.g. 1,1,1,1,1), got {widths}")
+        return widths
+    return validate_widths(DEFAULT_WIDTHS if tree_widths is None else tree_widths, vocab_size)
+
+
+def proposer_for(mode: str, target, draft=None, tree_widths=None) -> tuple[Any, Any]:
+    """(static proposer, its parameters) of a mode ("ar", "pld" or "longspec" with a `Draft`)."""
+    widths = resolve_widths(mode, tree_widths, target.config.vocab_size)
+    if mode == "ar":
+        return NoProposal(), ()
+    if mode == "pld":
+        return PromptLookup(widths), ()
+    if draft is None:
+        raise UserError(
+            "mode 'longspec' needs a draft: pass draft=load_draft(path, target) (CLI: --draft PATH), "
+            "or use mode 'pld' / 'ar'"
+        )
+    check_draft(draft, target.config)
+    graphdef, params = nnx.split(draft.block)
+    return DraftProposer(BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1]))), widths), params
