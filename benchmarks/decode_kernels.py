@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax import generation
+from longspec_jax import decode_kit, generation
 from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import inference_draft, init_draft
@@ -113,7 +113,7 @@ def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "")
     (a set of its cache keys), by jitted function name. hlo_out: also write each program's
     optimised HLO there, as `<label>_<name>.hlo.txt`."""
     counts = {}
-    for key, executable in generation._COMPILED.items():
+    for key, executable in decode_kit._COMPILED.items():
         if key not in before:
             text = executable.as_text()
             if " while(" in text:
@@ -153,7 +153,7 @@ def ar_step_bytes(model, prompt_len: int, new_tokens: int) -> int:
 def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="") -> dict:
     """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
     kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft, attn_impl=attn_impl)
-    known = set(generation._COMPILED)
+    known = set(decode_kit._COMPILED)
     generation.generate(target, prompt, **kwargs)  # compiles and warms up
     programs = new_loop_programs(known, hlo_out, label)
     ms, tokens_per_s, tau = [], [], []
@@ -162,9 +162,8 @@ def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hl
         ms.append(1e3 * stats.decode_s / max(stats.rounds, 1))
         tokens_per_s.append(stats.tokens_per_s)
         tau.append(stats.tau)
-    loop = "ar_decode" if mode == "ar" else "spec_decode"
     return {
-        "kernels": programs.get(loop, max(programs.values(), default=-1)),
+        "kernels": programs.get("decode", max(programs.values(), default=-1)),
         "ms": statistics.median(ms),
         "tokens_per_s": statistics.median(tokens_per_s),
         "tau": statistics.median(tau),
@@ -174,13 +173,19 @@ def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hl
 # ----------------------------------------------------------------------------- setup
 
 
+class _AsLoaded(Target):
+    """A target whose Generators decode with the loaded layout, not the packed inference layout."""
+
+    def decode_model(self):
+        return self.model
+
+
 def variants(target) -> dict[str, Target]:
     before = nnx.clone(target.model)
     before.one_token_attention = False
-    after = target.model.inference_layout()
     return {
-        name: Target(target.config, model, target.tokenizer, target.shipped_draft)
-        for name, model in (("before", before), ("after", after))
+        "before": _AsLoaded(target.config, before, target.tokenizer, target.shipped_draft),
+        "after": Target(target.config, target.model, target.tokenizer, target.shipped_draft),
     }
 
 

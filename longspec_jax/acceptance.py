@@ -1,4 +1,4 @@
-"""Accepting a verified draft tree: exact greedy and exact sampling (SPEC.md 5.5-5.6).
+"""Accepting a verified draft tree: exact greedy and exact sampling (docs/ALGORITHM.md 5.5-5.6).
 
 Both rules are one walk from the root (`accept`): at the current node take the target's pick x
 there (argmax for greedy, a sample for sampling; `sampling.pick_token` draws one per node, each

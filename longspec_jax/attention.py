@@ -13,7 +13,7 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
   fixed-size ring of keys under a boolean mask (dense XLA: the ring holds at most a window of
   keys, nothing a flash kernel could skip).
 
-The hybrid splits the keys (SPEC.md 6): `cache_attention` over the cache (cuDNN flash, a Pallas
+The hybrid splits the keys (docs/ALGORITHM.md 6): `cache_attention` over the cache (cuDNN flash, a Pallas
 split-K kernel, or XLA) and the Pallas `masked_attention` over the new keys each return (o, lse);
 `merge_attention` combines them exactly. impl "xla" does both sides as dense XLA attention (the CPU
 default); the kernels are tested against float64 references of one attention over the

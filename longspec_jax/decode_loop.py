@@ -1,6 +1,6 @@
 """The device loop after prefill: one jitted `lax.while_loop` of rounds, the same for every mode.
 
-A round, for every sequence of the batch at once (SPEC.md 5):
+A round, for every sequence of the batch at once (docs/ALGORITHM.md 5):
   1. propose: the proposer (proposers.py) builds a tree rooted at the last emitted token (the
      root, not in the target cache yet). AR's proposer proposes nothing: the tree of the root
      alone, so an AR round is one decode step;
@@ -106,8 +106,13 @@ def accept_and_commit(
     picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
     acc = accept(tree, picks)
     n_keep, ends = _keep(acc, state, config.depth)
-    # The root and the nodes of all kept tokens but the last (the next root) join the cache.
-    cache = commit(cache, acc.path, n_keep)
+    # The root and the nodes of all kept tokens but the last (the next root) join the cache. A
+    # path starts at the root, whose K/V verify already wrote at the cache end: a root-only tree
+    # (AR) moves nothing, and skipping the identity move saves a gather and a write per cache array.
+    if tree.tokens.shape[1] == 1:
+        cache = cache.replace(lengths=cache.lengths + n_keep)
+    else:
+        cache = commit(cache, acc.path, n_keep)
     if config.depth == 0:
         # One token per round: every live sequence holds rounds + 1 tokens, so one column takes
         # them all (a plain slice update, cheaper than a per-row scatter in the AR step).

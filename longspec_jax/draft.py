@@ -1,4 +1,4 @@
-"""The LongSpec draft (SPEC.md 3-5): one decoder block over the target's last-layer KV cache.
+"""The LongSpec draft (docs/ALGORITHM.md 3-5): one decoder block over the target's last-layer KV cache.
 
 Block (pre-norm, three residual sub-blocks, no final norm):
     h   = x + SelfAttn(input_layernorm(x))            sliding window: query i sees keys [i-W, i]
@@ -146,7 +146,7 @@ def flash_noisy_cross_attention(q, k, v, lag, *, impl: str | None = None):
     for t < lag. q [B,L,Hq,D]; k/v [B,L,Hkv,D] (the target's last layer); lag: int32 scalar >= 1,
     may be traced.
 
-    SPEC.md 4 writes it as O[j:] = causal(Q[j:], K[:L-j], V[:L-j]). With static shapes: roll q left
+    docs/ALGORITHM.md 4 writes it as O[j:] = causal(Q[j:], K[:L-j], V[:L-j]). With static shapes: roll q left
     by j, so row t' holds q[t' + j]; a plain causal attention lets it see keys <= t' = t - j; roll
     the output back right by j and zero the first j rows (whose rolled queries wrapped around)."""
     b, l = q.shape[:2]
@@ -243,7 +243,7 @@ def _write_slots(state: DraftState, slots, k, v, positions) -> DraftState:
 def draft_prefill(block: DraftBlock, target_model, state: DraftState, tokens, lengths) -> DraftState:
     """Fill the ring from right-padded prompts tokens int32[B,L] with true lengths int32[B]: the
     self-attention K/V of each prompt's last W tokens (positions lengths-W .. lengths-1). Token
-    only: self-attention K/V depend on (token, position) alone, so no attention runs (SPEC.md 5.1).
+    only: self-attention K/V depend on (token, position) alone, so no attention runs (docs/ALGORITHM.md 5.1).
     `state` comes fresh from init_draft_state. Cost and memory do not depend on L."""
     w = block.window
     idx = lengths.astype(jnp.int32)[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, W]

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import attention
+from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
     GenerationStats,
@@ -135,7 +136,8 @@ class Generator:
         self.mode = mode
         self.attn_impl = attention.default_impl() if attn_impl is None else attn_impl
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
-        self.graphdef, self.params = nnx.split(target.model)
+        enable_compile_cache()
+        self.graphdef, self.params = nnx.split(target.decode_model())
         self.proposer, self.proposer_params = proposer_for(mode, target, draft, self.tree_widths)
 
     def generate(

@@ -1,7 +1,7 @@
 """What a round of the decode loop costs, and what its parts cost (`profile=True`).
 
 - a round alone: one round as its own program (`one_round`), against a round inside the loop
-  (decode time / rounds): the two should match (GPU.md), a gap is loop overhead;
+  (decode time / rounds): the two should match (docs/GPU_NOTES.md), a gap is loop overhead;
 - its parts (propose, verify, accept + commit) inside one program each, as they run in the loop:
   each part is its own program that repeats the part n times in a fori_loop (n is an argument, so
   n = 1 and n = repeats share one compilation), fed its own outputs, on the loop's final state.

@@ -35,6 +35,16 @@ class Target:
         self.dtype = model.dtype
         self.shipped_draft = shipped_draft
 
+    def decode_model(self) -> Transformer:
+        """The model in its inference layout (`Transformer.inference_layout`), built on first use and
+        kept, so every Generator of this target shares one copy. Rebuilt when `.model` or any of its
+        parameter arrays was replaced (e.g. by `nnx.update`)."""
+        arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.model)))
+        if getattr(self, "_decode_model_of", None) != (id(self.model), arrays):
+            self._decode_model = self.model.inference_layout()
+            self._decode_model_of = (id(self.model), arrays)
+        return self._decode_model
+
     def forward_logits(self, tokens) -> jax.Array:
         """Full causal forward, no cache: int32[B, L] -> float32[B, L, V] (jitted per shape)."""
         graphdef, params = nnx.split(self.model)

@@ -1,4 +1,4 @@
-"""Dynamic beam search draft trees with static shapes (SPEC.md 5.2-5.3).
+"""Dynamic beam search draft trees with static shapes (docs/ALGORITHM.md 5.2-5.3).
 
 A tree of widths W = (W[0], ..., W[D-1]) has depth D and N = 1 + sum(W) flat nodes in breadth-first
 order: index 0 is the root (the last token the target emitted, not yet in its cache), then the
