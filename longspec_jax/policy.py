@@ -1,0 +1,106 @@
+"""The adaptive speculation policy: each round, the candidate with the most expected tokens per second.
+
+The engine holds a few static candidates (each its own compiled branch of the round): "ar" (a plain
+target step, the proposer that proposes nothing) and one or more draft trees (or a prompt-lookup
+chain). Before decoding it knows what one round of each candidate costs on this device
+(`Calibration`, measured once and kept on disk, see calibration.py). Inside the device loop it
+keeps, per candidate, a running estimate of the tokens a round emits (an exponential moving
+average over the rounds that used it), and picks
+
+    argmax_k  tokens_per_round[k] / seconds_per_round[k]
+
+AR emits exactly one token per round, so its estimate is fixed at 1. A candidate that is not picked
+gathers no evidence, so a losing candidate is retried after `wait[k]` rounds; every retry that does
+not make it the best doubles its wait (up to MAX_WAIT), so a draft that never pays costs at most a
+round in MAX_WAIT, and one that starts paying again is found within that many rounds. All of it is
+arrays in the loop's carry: no host round trip per round.
+
+Exactness does not depend on the policy: every candidate's round emits tokens distributed exactly as
+the target's (greedy: equal to AR), so switching between them at any round keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+EMA_WEIGHT = 0.125  # weight of the newest round in a candidate's estimate (tau per round is noisy)
+FIRST_WAIT = 8  # rounds before a losing candidate is first retried
+MAX_WAIT = 256  # ... and at most this many after repeated losses
+AR = 0  # candidate 0 is always the plain target step
+
+
+@struct.dataclass
+class PolicyState:
+    """Per-candidate arrays float32/int32[K] (K static): seconds_per_round from the calibration;
+    tokens_per_round the running estimate (AR's stays 1); since_used rounds since it last ran;
+    wait the rounds a non-best candidate waits before its next retry; rounds / emitted the
+    rounds each ran and the tokens they kept (summed over the batch), for the stats."""
+
+    seconds_per_round: jax.Array
+    tokens_per_round: jax.Array
+    since_used: jax.Array
+    wait: jax.Array
+    rounds: jax.Array
+    emitted: jax.Array
+    active: jax.Array
+
+
+def init_policy(seconds_per_round, prior_tokens_per_round) -> PolicyState:
+    """seconds_per_round / prior_tokens_per_round: float[K] (entry 0 is AR: its prior is forced to 1).
+    The prior is optimistic on purpose: a candidate gets tried before evidence says otherwise."""
+    cost = jnp.asarray(seconds_per_round, jnp.float32)
+    prior = jnp.asarray(prior_tokens_per_round, jnp.float32).at[AR].set(1.0)
+    k = cost.shape[0]
+    zeros = jnp.zeros((k,), jnp.int32)
+    return PolicyState(
+        seconds_per_round=cost,
+        tokens_per_round=prior,
+        since_used=zeros,
+        wait=jnp.full((k,), FIRST_WAIT, jnp.int32),
+        rounds=zeros,
+        emitted=zeros,
+        active=zeros,
+    )
+
+
+def expected_rates(policy: PolicyState) -> jax.Array:
+    """float32[K]: estimated tokens per second of each candidate."""
+    return policy.tokens_per_round / policy.seconds_per_round
+
+
+def choose(policy: PolicyState) -> jax.Array:
+    """int32[]: the candidate for the next round. The best by expected rate, unless another one has
+    waited its turn for a retry (the one that waited longest past its wait)."""
+    best = jnp.argmax(expected_rates(policy))
+    overdue = policy.since_used - policy.wait
+    candidates = jnp.arange(policy.since_used.shape[0])
+    overdue = jnp.where((candidates != best) & (candidates != AR), overdue, -1)
+    retry = jnp.argmax(overdue)
+    return jnp.where(overdue[retry] >= 0, retry, best).astype(jnp.int32)
+
+
+def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:
+    """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
+    in total (int32[]): update its estimate and the retry clocks."""
+    k = policy.since_used.shape[0]
+    is_chosen = jnp.arange(k) == chosen
+    per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
+    ran = is_chosen & (active > 0) & (chosen != AR)
+    estimate = jnp.where(
+        ran, (1.0 - EMA_WEIGHT) * policy.tokens_per_round + EMA_WEIGHT * per_sequence, policy.tokens_per_round
+    )
+    policy = policy.replace(tokens_per_round=estimate)
+    # A retry that did not make the candidate the best doubles its wait; being the best resets it.
+    best = jnp.argmax(expected_rates(policy))
+    lost = is_chosen & (chosen != best)
+    wait = jnp.where(lost, jnp.minimum(policy.wait * 2, MAX_WAIT), policy.wait)
+    wait = jnp.where(jnp.arange(k) == best, FIRST_WAIT, wait)
+    return policy.replace(
+        since_used=jnp.where(is_chosen, 0, policy.since_used + 1),
+        wait=wait,
+        rounds=policy.rounds + is_chosen.astype(jnp.int32),
+        emitted=policy.emitted + jnp.where(is_chosen, kept, 0).astype(jnp.int32),
+        active=policy.active + jnp.where(is_chosen, active, 0).astype(jnp.int32),
+    )

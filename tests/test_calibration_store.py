@@ -1,0 +1,35 @@
+"""The calibration store: memory first, then disk, and a damaged file is measured again."""
+
+from longspec_jax.calibration_store import calibration_key, forget_calibrations, load_calibration, save_calibration
+
+
+def test_saved_calibration_survives_a_new_process_memory(tmp_path):
+    key = calibration_key(target="t", batch=1, cache_rows=4096, candidates=("ar", "tree"))
+    assert load_calibration(key, tmp_path) is None
+    save_calibration(key, {"ar": 0.001, "tree": 0.0018}, tmp_path, batch=1)
+    forget_calibrations()
+    assert load_calibration(key, tmp_path) == {"ar": 0.001, "tree": 0.0018}
+
+
+def test_keys_differ_by_what_the_cost_depends_on():
+    base = dict(target="t", batch=1, cache_rows=4096, candidates=("ar", "tree"))
+    keys = {
+        calibration_key(**base),
+        calibration_key(**{**base, "batch": 4}),
+        calibration_key(**{**base, "cache_rows": 8192}),
+    }
+    assert len(keys) == 3
+    assert calibration_key(**base) == calibration_key(**dict(reversed(list(base.items()))))
+
+
+def test_a_damaged_or_unwritable_store_is_ignored(tmp_path):
+    key = calibration_key(target="damaged")
+    (tmp_path / f"{key}.json").write_text('{"seconds_per_round": {"ar": -1}}')
+    assert load_calibration(key, tmp_path) is None
+    (tmp_path / f"{key}.json").write_text("not json")
+    assert load_calibration(key, tmp_path) is None
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    save_calibration(key, {"ar": 0.5}, blocker / "sub")  # cannot create a folder under a file: no error
+    assert load_calibration(key, None) == {"ar": 0.5}  # still kept in memory
+    forget_calibrations()

@@ -1,0 +1,77 @@
+"""The adaptive policy's chooser on simulated rounds (the engine's use of it is tested with the loop)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longspec_jax.policy import AR, FIRST_WAIT, MAX_WAIT, choose, init_policy, record
+
+
+@jax.jit
+def simulate(policy, tokens):
+    """tokens int32[rounds, K]: what candidate k would keep at each round (batch 1).
+    -> (policy, int32[rounds] the candidate chosen each round)."""
+
+    def round_(p, row):
+        k = choose(p)
+        return record(p, k, row[k], jnp.int32(1)), k
+
+    return jax.lax.scan(round_, policy, tokens)
+
+
+def rate_of(chosen, tokens, seconds):
+    """Tokens per second over the run."""
+    rows = np.arange(len(chosen))
+    return tokens[rows, chosen].sum() / np.asarray(seconds)[chosen].sum()
+
+
+def test_a_draft_that_is_always_right_keeps_speculating():
+    # A round of the tree costs 1.4 AR steps and emits 6 tokens: 4.3x AR.
+    tokens = np.tile([1, 6], (200, 1)).astype(np.int32)
+    policy, chosen = simulate(init_policy([1.0, 1.4], [1.0, 3.0]), tokens)
+    assert (np.asarray(chosen) == 1).all()
+    assert abs(float(policy.tokens_per_round[1]) - 6.0) < 1e-2
+
+
+def test_a_random_draft_falls_back_to_ar_within_a_few_rounds_and_retries_rarely():
+    tokens = np.ones((1000, 2), np.int32)
+    policy, chosen = simulate(init_policy([1.0, 1.8], [1.0, 3.0]), tokens)
+    chosen = np.asarray(chosen)
+    first_ar = int(np.argmax(chosen == AR))
+    assert first_ar <= 10  # evidence of ~1 token per round pulls the estimate under 1.8 fast
+    assert (chosen[first_ar:] == AR).mean() > 0.97  # retries back off to one in MAX_WAIT rounds
+    assert int(policy.wait[1]) == MAX_WAIT
+    assert int(policy.rounds.sum()) == 1000 and int(policy.emitted.sum()) == 1000
+    assert rate_of(chosen, tokens, [1.0, 1.8]) >= 0.97  # AR's own rate is 1
+
+
+def test_a_draft_that_starts_paying_is_found_again():
+    good_from = 300
+    tokens = np.ones((1000, 2), np.int32)
+    tokens[good_from:, 1] = 5
+    _, chosen = simulate(init_policy([1.0, 1.5], [1.0, 3.0]), tokens)
+    chosen = np.asarray(chosen)
+    assert (chosen[200:good_from] == AR).mean() > 0.95
+    switched = good_from + int(np.argmax(chosen[good_from:] == 1))
+    assert switched - good_from <= MAX_WAIT
+    assert (chosen[switched + 20 :] == 1).all()
+
+
+def test_noisy_trees_keep_95_percent_of_the_best_fixed_tree():
+    # AR; a small tree (1.2 steps, 2.5 tokens a round: 2.1x); a big tree (1.9 steps, 3.5 tokens: 1.8x).
+    seconds = [1.0, 1.2, 1.9]
+    rng = np.random.default_rng(0)
+    tokens = np.stack([np.ones(3000), 1 + rng.poisson(1.5, 3000), 1 + rng.poisson(2.5, 3000)], 1).astype(np.int32)
+    policy, chosen = simulate(init_policy(seconds, [1.0, 3.0, 3.0]), tokens)
+    chosen = np.asarray(chosen)
+    best_fixed = max(tokens[:, k].sum() / (seconds[k] * len(tokens)) for k in range(3))
+    assert rate_of(chosen, tokens, seconds) >= 0.95 * best_fixed
+    assert float(policy.tokens_per_round[AR]) == 1.0
+    assert (chosen == 1).mean() > 0.6
+
+
+def test_wait_resets_when_a_candidate_becomes_best():
+    policy = init_policy([1.0, 1.5], [1.0, 1.0])  # starts on AR; the tree looks bad
+    assert int(choose(policy)) == AR
+    policy = record(policy, jnp.int32(AR), jnp.int32(1), jnp.int32(1))
+    assert int(policy.wait[1]) == FIRST_WAIT and int(policy.since_used[1]) == 1
