@@ -40,7 +40,9 @@ SMALL_BUCKETS_UP_TO = 256  # up to this, lengths round up to a power of two (>= 
 class GenerationStats:
     """Timings and counts of one generate call. tokens_per_s = new_tokens / decode_s (all
     sequences together; the first token of each comes out of prefill). tau = mean tokens emitted
-    per target forward after prefill (1 for AR); rounds = target forwards after prefill."""
+    per target forward after prefill (1 for AR); rounds = target forwards after prefill. policy
+    (mode "auto"): per candidate the rounds it ran, its mean tokens kept per round and its
+    calibrated round time, and where the calibration came from (adaptive.py)."""
 
     prefill_s: float
     decode_s: float
@@ -53,6 +55,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     compile_s: float = 0.0
     profile: dict[str, float] = dataclasses.field(default_factory=dict)
+    policy: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def line(self) -> str:
         """One human-readable summary line."""
@@ -64,6 +67,9 @@ class GenerationStats:
         )
         if self.compile_s:
             text += f" | compile {self.compile_s:.1f} s"
+        if self.policy:
+            used = [(n, c["rounds"]) for n, c in self.policy["candidates"].items() if c["rounds"]]
+            text += " | rounds " + ", ".join(f"{n} {r}" for n, r in used)
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +107,7 @@ def make_stats(
     prompt_tokens,
     compile_s=0.0,
     profile=None,
+    policy=None,
 ) -> GenerationStats:
     """GenerationStats with new_tokens / tokens_per_s derived from the returned tokens."""
     new_tokens = sum(len(t) for t in tokens)
@@ -116,6 +123,7 @@ def make_stats(
         prompt_tokens=prompt_tokens,
         compile_s=compile_s,
         profile=dict(profile or {}),
+        policy=dict(policy or {}),
     )
 
 

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from longspec_jax.acceptance import Acceptance, accept
+from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import KVCache, Transformer, commit
+from longspec_jax.policy import choose, record
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -100,12 +102,23 @@ def _keep(acc: Acceptance, state: LoopState, depth: int):
 
 
 def accept_and_commit(
-    config: LoopConfig, state: LoopState, tree: Tree, logits, cache: KVCache, proposal, sampling: SamplingParams
+    config: LoopConfig,
+    state: LoopState,
+    tree: Tree,
+    logits,
+    cache: KVCache,
+    proposal,
+    sampling: SamplingParams,
+    *,
+    update_proposal=None,
 ) -> LoopState:
-    """Steps 3 and 4 of a round, from the verified tree (cache: the one verify returned)."""
+    """Steps 3 and 4 of a round, from the verified tree (cache: the one verify returned).
+    update_proposal(emitted, n_keep, positions) -> the proposer state after the round (default:
+    the loop's proposer accepts `proposal`)."""
+    depth = tree.depth
     picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
     acc = accept(tree, picks)
-    n_keep, ends = _keep(acc, state, config.depth)
+    n_keep, ends = _keep(acc, state, depth)
     # The root and the nodes of all kept tokens but the last (the next root) join the cache. A
     # path starts at the root, whose K/V verify already wrote at the cache end: a root-only tree
     # (AR) moves nothing, and skipping the identity move saves a gather and a write per cache array.
@@ -119,9 +132,14 @@ def accept_and_commit(
         out = jax.lax.dynamic_update_slice(state.out, acc.emitted, (0, state.rounds + 1))
     else:
         out = write_rows(state.out, acc.emitted, state.n_new)
+    positions = cache.lengths - n_keep + 1
+    if update_proposal is None:
+        proposal = config.proposer.accept(proposal, acc.emitted, n_keep, positions)
+    else:
+        proposal = update_proposal(acc.emitted, n_keep, positions)
     return state.replace(
         cache=cache,
-        proposal=config.proposer.accept(proposal, acc.emitted, n_keep, cache.lengths - n_keep + 1),
+        proposal=proposal,
         roots=jnp.where(n_keep > 0, acc.bonus, state.roots),
         out=out,
         n_new=state.n_new + n_keep,
@@ -131,8 +149,43 @@ def accept_and_commit(
     )
 
 
+def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState, sampling) -> LoopState:
+    """One round of the candidate the policy (or a forced calibration) picks (adaptive.py)."""
+    adaptive = config.proposer
+    own = state.proposal
+    chosen = jnp.where(own.forced >= 0, own.forced, choose(own.policy)).astype(jnp.int32)
+
+    def branch(candidate):
+        def run(state: LoopState) -> LoopState:
+            sources = state.proposal.sources
+            params = proposer_params[candidate.source]
+            tree, mine = candidate.proposer.propose(
+                params, model, sources[candidate.source], state.roots, state.cache, config.attn_impl
+            )
+            current = [
+                mine if j == candidate.source else src.skip(proposer_params[j], model, sources[j], state.cache)
+                for j, src in enumerate(adaptive.sources)
+            ]
+
+            def update(emitted, n_keep, positions):
+                accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
+                return state.proposal.replace(sources=accepted)
+
+            logits, cache = verify(config, model, tree, state.cache)
+            return accept_and_commit(config, state, tree, logits, cache, None, sampling, update_proposal=update)
+
+        return run
+
+    new = jax.lax.switch(chosen, [branch(c) for c in adaptive.candidates], state)
+    kept = (new.n_new - state.n_new).sum()
+    active = (~state.done).sum()
+    return new.replace(proposal=new.proposal.replace(policy=record(own.policy, chosen, kept, active)))
+
+
 def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams) -> LoopState:
     model = nnx.merge(config.graphdef, params)
+    if isinstance(config.proposer, Adaptive):
+        return _adaptive_round(config, model, proposer_params, state, sampling)
     tree, proposal = propose(config, proposer_params, model, state)
     logits, cache = verify(config, model, tree, state.cache)
     return accept_and_commit(config, state, tree, logits, cache, proposal, sampling)

@@ -398,3 +398,13 @@ def draft_propose_level(
     )
     slots = jnp.broadcast_to(block.window + start - 1 + jnp.arange(w, dtype=jnp.int32), (b, w))
     return logits, _write_slots(state, slots, k, v, positions)
+
+
+def draft_remember(block: DraftBlock, target_model, state: DraftState, tokens, positions, valid) -> DraftState:
+    """Write accepted tokens into the ring without running the block: their self-attention K/V
+    depend on (token, position) alone, so this equals what `draft_commit` writes for them, at the
+    cost of one projection (no attention, no LM head). For rounds in which the draft proposed
+    nothing. tokens, positions int32[B,T]; valid bool[B,T] (invalid rows are not written)."""
+    k, v = block.self_keys_values(target_model.embed_tokens(tokens), positions)
+    slots = jnp.where(valid, positions % block.window, state.positions.shape[1])
+    return _write_slots(state, slots, k, v, positions)

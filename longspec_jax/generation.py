@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,8 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import attention
+from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
+from longspec_jax.calibration import calibrated, calibration_key, policy_stats
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
@@ -106,13 +109,15 @@ class _Progress:
     rounds: int
     emitted: int  # tokens kept by rounds (the first of each sequence comes from prefill)
     active_rounds: int  # sequence-rounds run while not done; tau = emitted / active_rounds
+    policy: Any = None  # the adaptive policy's state (adaptive.py), read back as numpy arrays
 
     @classmethod
     def read(cls, state: LoopState) -> _Progress:
-        out, n_new, done, rounds, active = jax.device_get(
-            (state.out, state.n_new, state.done, state.rounds, state.active_rounds)
+        policy = state.proposal.policy if isinstance(state.proposal, AdaptiveState) else None
+        out, n_new, done, rounds, active, policy = jax.device_get(
+            (state.out, state.n_new, state.done, state.rounds, state.active_rounds, policy)
         )
-        return cls(out, n_new, done, int(rounds), int((n_new - 1).sum()), int(active.sum()))
+        return cls(out, n_new, done, int(rounds), int((n_new - 1).sum()), int(active.sum()), policy)
 
 
 class Generator:
@@ -129,8 +134,8 @@ class Generator:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
         if mode in ("longspec", AUTO_MODE) and draft is None:
             draft = inference_draft(target)  # the shipped one, if any
-        if mode == AUTO_MODE:
-            mode = "longspec" if draft is not None else "ar"
+        if mode == AUTO_MODE and tree_widths is not None:
+            mode = "longspec"  # a fixed tree was asked for
         self.target = target
         self.draft = draft
         self.mode = mode
@@ -138,7 +143,22 @@ class Generator:
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
-        self.proposer, self.proposer_params = proposer_for(mode, target, draft, self.tree_widths)
+        self._adaptive: dict[tuple, tuple] = {}
+        if mode == AUTO_MODE:
+            self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
+        else:
+            self.proposer, self.proposer_params = proposer_for(mode, target, draft, self.tree_widths)
+
+    def proposer_for_request(self, request: DecodeRequest, batch: int):
+        """(proposer, its parameters): the mode's, or for mode "auto" the adaptive set that fits the
+        request's sampling and batch size (built once per plan)."""
+        if self.proposer is not None:
+            return self.proposer, self.proposer_params
+        greedy = bool(np.asarray(request.sampling.greedy))
+        plan = candidate_plan(self.draft is not None, greedy, batch)
+        if plan not in self._adaptive:
+            self._adaptive[plan] = adaptive_proposer(self.target, self.draft, plan)
+        return self._adaptive[plan]
 
     def generate(
         self,
@@ -182,17 +202,18 @@ class Generator:
 
     def decode(self, prompts: list[list[int]], request: DecodeRequest) -> GenerationResult:
         """The host driver for checked prompts: prefill, the loop in chunks, the result."""
-        widths = self.proposer.widths
-        prompt_bucket, new_bucket, cache_len = plan_lengths(
-            max(map(len, prompts)), request.max_new_tokens, slack=sum(widths)
-        )
+        proposer, proposer_params = self.proposer_for_request(request, len(prompts))
+        adaptive = isinstance(proposer, Adaptive)
+        widths = proposer.widths
+        slack = proposer.slack if adaptive else sum(widths)
+        prompt_bucket, new_bucket, cache_len = plan_lengths(max(map(len, prompts)), request.max_new_tokens, slack=slack)
         batch = prompt_batch(prompts, prompt_bucket)
         last_logits, cache, prefill_s, compile_s = self.run_prefill(batch, cache_len)
-        config = LoopConfig(self.graphdef, self.proposer, new_bucket, self.attn_impl)
+        config = LoopConfig(self.graphdef, proposer, new_bucket, self.attn_impl)
         stop = StopRule.create(request.eos_token_ids, request.max_new_tokens)
         start_args = (
             self.params,
-            self.proposer_params,
+            proposer_params,
             cache,
             jnp.asarray(batch.tokens),
             jnp.asarray(batch.lengths),
@@ -205,7 +226,7 @@ class Generator:
         state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
         rounds_limit = jnp.asarray(0, jnp.int32)
         run_decode, c2 = compiled(
-            decode, self.params, self.proposer_params, state_shape, rounds_limit, request.sampling, config=config
+            decode, self.params, proposer_params, state_shape, rounds_limit, request.sampling, config=config
         )
         compile_s += c1 + c2
         chunk = CHUNK_ROUNDS if request.stream is None else max(1, request.stream_every // (len(widths) + 1))
@@ -219,21 +240,39 @@ class Generator:
                 rounds=progress.rounds,
                 tau=progress.emitted / progress.active_rounds if progress.active_rounds else 1.0,
                 target_cache_bytes=cache_bytes(state_shape.cache),
-                draft_cache_bytes=self.proposer.cache_bytes(state_shape.proposal),
+                draft_cache_bytes=proposer.cache_bytes(state_shape.proposal),
                 prompt_tokens=int(batch.lengths.sum()),
                 compile_s=compile_s,
                 profile=profile,
+                policy=policy_stats(proposer, progress.policy, calibration) if adaptive else {},
             )
             text = None if self.target.tokenizer is None else [decode_text(self.target.tokenizer, t) for t in tokens]
             return GenerationResult(tokens=tokens, stats=stats, text=text)
 
+        def run(state, rounds: int):
+            return run_decode(self.params, proposer_params, state, jnp.asarray(rounds, jnp.int32), request.sampling)
+
         t0 = time.perf_counter()
         progress = None
+        calibration = None
         try:
             state = run_start(*start_args)
+            if adaptive:
+                key = calibration_key(
+                    target=repr(self.target.config),
+                    dtype=str(self.target.dtype),
+                    draft=None if self.draft is None else repr(self.draft.config),
+                    batch=len(prompts),
+                    cache_rows=cache_len,
+                    new_bucket=new_bucket,
+                    candidates=proposer.names,
+                    attn_impl=self.attn_impl,
+                    filters=(request.sampling.use_top_k, request.sampling.use_top_p),
+                )
+                state, calibration = calibrated(state, run, proposer.names, key)
             while progress is None or not progress.done.all():
-                limit = jnp.asarray((0 if progress is None else progress.rounds) + chunk, jnp.int32)
-                state = run_decode(self.params, self.proposer_params, state, limit, request.sampling)
+                limit = (int(state.rounds) if progress is None else progress.rounds) + chunk
+                state = run(state, limit)
                 progress = _Progress.read(state)
                 if request.stream is not None:
                     request.stream(finish_tokens(progress.out, progress.n_new, request.eos_token_ids))
@@ -243,8 +282,9 @@ class Generator:
         decode_s = time.perf_counter() - t0
 
         profile = {}
+        if request.profile and not adaptive:  # an adaptive round has no one set of parts
+            profile, state = profile_round(config, self.params, proposer_params, state, request.sampling)
         if request.profile:
-            profile, state = profile_round(config, self.params, self.proposer_params, state, request.sampling)
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)
         return result(progress, decode_s, profile)
 

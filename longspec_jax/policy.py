@@ -4,8 +4,9 @@ The engine holds a few static candidates (each its own compiled branch of the ro
 target step, the proposer that proposes nothing) and one or more draft trees (or a prompt-lookup
 chain). Before decoding it knows what one round of each candidate costs on this device
 (`Calibration`, measured once and kept on disk, see calibration.py). Inside the device loop it
-keeps, per candidate, a running estimate of the tokens a round emits (an exponential moving
-average over the rounds that used it), and picks
+keeps, per candidate, a running estimate of the tokens a round emits (the mean of the prior and
+its first rounds, then an exponential moving average, so the first evidence counts fully and a
+later change of text is followed), and picks
 
     argmax_k  tokens_per_round[k] / seconds_per_round[k]
 
@@ -88,9 +89,9 @@ def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
     ran = is_chosen & (active > 0) & (chosen != AR)
-    estimate = jnp.where(
-        ran, (1.0 - EMA_WEIGHT) * policy.tokens_per_round + EMA_WEIGHT * per_sequence, policy.tokens_per_round
-    )
+    # The prior counts as one round: the k-th round weighs 1 / (k + 1) until that is EMA_WEIGHT.
+    weight = jnp.maximum(1.0 / (policy.rounds.astype(jnp.float32) + 2.0), EMA_WEIGHT)
+    estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     policy = policy.replace(tokens_per_round=estimate)
     # A retry that did not make the candidate the best doubles its wait; being the best resets it.
     best = jnp.argmax(expected_rates(policy))

@@ -11,6 +11,9 @@ static config); its parameters travel apart as a jit argument, its state rides i
     accept(state, tokens, n_tokens, positions) -> state
         tokens int32[B, D+1] kept this round (the first n_tokens[b] valid), positions int32[B]
         the position of tokens[:, 0]; the last kept token is the next root.
+    skip(params, model, state, cache) -> state
+        the round was proposed by another proposer (adaptive.py): bring the state up to date
+        as `propose` would have, cheaply (the draft writes what it has not seen into its ring).
     cache_bytes(state) -> int                bytes of a draft model's cache (0 without one)
 
 - `NoProposal` (mode "ar"): the root alone, so a round is one AR step.
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from longspec_jax.decode_kit import cache_bytes
-from longspec_jax.draft import draft_commit, draft_prefill, draft_propose_level, init_draft_state
+from longspec_jax.draft import draft_commit, draft_prefill, draft_propose_level, draft_remember, init_draft_state
 from longspec_jax.errors import UserError
 from longspec_jax.pld import propose_chain
 from longspec_jax.tree import (
@@ -67,6 +70,9 @@ class NoProposal:
     def propose(self, params, model, state, roots, cache, attn_impl):
         return root_tree(roots), state
 
+    def skip(self, params, model, state, cache):
+        return state
+
     def accept(self, state, tokens, n_tokens, positions):
         return state
 
@@ -91,6 +97,9 @@ class PromptLookup:
             history, cache.lengths + 1, num_tokens=len(self.widths), max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM
         )
         return chain_tree(roots, chain), history
+
+    def skip(self, params, model, history, cache):
+        return history
 
     def accept(self, history, tokens, n_tokens, positions):
         return write_rows(history, tokens, positions)
@@ -120,6 +129,9 @@ class BlockDraft:
             block, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl=attn_impl
         )
 
+    def remember(self, params, target_model, state, tokens, positions, valid):
+        return draft_remember(nnx.merge(self.graphdef, params), target_model, state, tokens, positions, valid)
+
     def propose_level(
         self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
     ):
@@ -141,22 +153,39 @@ class DraftProposal:
 
 @dataclasses.dataclass(frozen=True)
 class DraftProposer:
+    """pending_rows: room for the tokens kept by one round, the deepest tree's depth + 1 (trees of
+    several depths share one state in adaptive.py); 0 means len(widths) + 1."""
+
     draft: Any
     widths: tuple[int, ...]
+    pending_rows: int = 0
 
     def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
         b = prompt_tokens.shape[0]
         state = self.draft.prefill(params, model, self.draft.init_state(params, b), prompt_tokens, prompt_lengths)
-        pending = jnp.zeros((b, len(self.widths) + 1), jnp.int32).at[:, 0].set(first)
+        rows = self.pending_rows or len(self.widths) + 1
+        pending = jnp.zeros((b, rows), jnp.int32).at[:, 0].set(first)
         return DraftProposal(draft=state, pending=pending, n_pending=jnp.ones((b,), jnp.int32))
+
+    @staticmethod
+    def _pending_positions(state: DraftProposal, root_pos):
+        """(positions, valid) of the pending tokens, which end with the root at root_pos."""
+        rows = jnp.arange(state.pending.shape[1], dtype=jnp.int32)[None, :]
+        valid = rows < state.n_pending[:, None]
+        positions = jnp.where(valid, root_pos[:, None] - state.n_pending[:, None] + 1 + rows, root_pos[:, None])
+        return positions, valid
+
+    def skip(self, params, model, state: DraftProposal, cache):
+        """The pending tokens go into the ring (K/V only) and nothing stays pending."""
+        positions, valid = self._pending_positions(state, cache.lengths)
+        draft = self.draft.remember(params, model, state.draft, state.pending, positions, valid)
+        return state.replace(draft=draft, n_pending=jnp.zeros_like(state.n_pending))
 
     def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl):
         """The draft reads the kept tokens (they end with the root), then the beam levels."""
         root_pos = cache.lengths  # the tokens before the root are all in the cache
         target_k, target_v = cache.k[-1], cache.v[-1]
-        rows = jnp.arange(state.pending.shape[1], dtype=jnp.int32)[None, :]
-        valid = rows < state.n_pending[:, None]
-        positions = jnp.where(valid, root_pos[:, None] - state.n_pending[:, None] + 1 + rows, root_pos[:, None])
+        positions, valid = self._pending_positions(state, root_pos)
         logits, draft = self.draft.commit(
             params, model, state.draft, state.pending, positions, valid, target_k, target_v, attn_impl
         )
@@ -172,6 +201,9 @@ class DraftProposer:
         return tree, state.replace(draft=draft)
 
     def accept(self, state: DraftProposal, tokens, n_tokens, positions):
+        rows = state.pending.shape[1]
+        if tokens.shape[1] < rows:  # a shallower tree of an adaptive set: pad to the shared size
+            tokens = jnp.pad(tokens, ((0, 0), (0, rows - tokens.shape[1])))
         return state.replace(pending=tokens.astype(jnp.int32), n_pending=n_tokens)
 
     def cache_bytes(self, state: DraftProposal) -> int:

@@ -47,41 +47,43 @@ PROMPT_B = [7, 1, 64, 8, 23, 11, 90, 31, 2, 55, 6]
 
 
 def test_greedy_equals_argmax_of_full_forward(target):
-    result = generate(target, PROMPT_A, max_new_tokens=9, eos_token_ids=())
+    result = generate(target, PROMPT_A, mode="ar", max_new_tokens=9, eos_token_ids=())
     assert result.tokens == [greedy_reference(target, PROMPT_A, 9)]
     assert result.stats.new_tokens == 9 and result.stats.rounds == 8 and result.stats.tau == 1.0
     assert result.stats.target_cache_bytes > 0 and result.stats.draft_cache_bytes == 0
 
 
 def test_batch_of_different_lengths_equals_each_alone(target):
-    together = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=9, eos_token_ids=()).tokens
-    alone = [generate(target, p, max_new_tokens=9, eos_token_ids=()).tokens[0] for p in (PROMPT_A, PROMPT_B)]
+    together = generate(target, [PROMPT_A, PROMPT_B], mode="ar", max_new_tokens=9, eos_token_ids=()).tokens
+    alone = [generate(target, p, mode="ar", max_new_tokens=9, eos_token_ids=()).tokens[0] for p in (PROMPT_A, PROMPT_B)]
     assert together == alone
 
 
 def test_eos_truncates_and_max_new_tokens_is_exact(target):
-    free = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=11, eos_token_ids=()).tokens
+    free = generate(target, [PROMPT_A, PROMPT_B], mode="ar", max_new_tokens=11, eos_token_ids=()).tokens
     assert [len(t) for t in free] == [11, 11]
     # An EOS id that sequence A emits first at index 3 (and B, if at all, elsewhere).
     eos = free[0][3]
     assert eos not in free[0][:3]
-    cut = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=11, eos_token_ids=(eos,)).tokens
+    cut = generate(target, [PROMPT_A, PROMPT_B], mode="ar", max_new_tokens=11, eos_token_ids=(eos,)).tokens
     assert cut[0] == free[0][:4]
     b_end = free[1].index(eos) + 1 if eos in free[1] else 11
     assert cut[1] == free[1][:b_end]
-    assert generate(target, PROMPT_A, max_new_tokens=1, eos_token_ids=()).tokens == [free[0][:1]]
+    assert generate(target, PROMPT_A, mode="ar", max_new_tokens=1, eos_token_ids=()).tokens == [free[0][:1]]
 
 
 def test_streaming_gives_the_same_tokens_in_growing_prefixes(target):
     seen = []
-    result = generate(target, PROMPT_B, max_new_tokens=10, eos_token_ids=(), stream=seen.append, stream_every=3)
+    result = generate(
+        target, PROMPT_B, mode="ar", max_new_tokens=10, eos_token_ids=(), stream=seen.append, stream_every=3
+    )
     assert len(seen) >= 3
     assert all(s[0] == result.tokens[0][: len(s[0])] for s in seen) and seen[-1] == result.tokens
-    assert result.tokens == generate(target, PROMPT_B, max_new_tokens=10, eos_token_ids=()).tokens
+    assert result.tokens == generate(target, PROMPT_B, mode="ar", max_new_tokens=10, eos_token_ids=()).tokens
 
 
 def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
-    gen = Generator(target)
+    gen = Generator(target, mode="ar")
     gen.generate([1, 2, 3], max_new_tokens=5, temperature=0.9, top_p=0.8, seed=1)
     again = gen.generate([4, 5, 6, 7, 8, 9], max_new_tokens=7, temperature=0.5, top_p=0.9, seed=2, profile=True)
     assert again.stats.compile_s == 0.0
@@ -99,7 +101,7 @@ def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
 def test_greedy_and_sampling_share_one_compiled_program(target):
     """Switching temperature 0 <-> > 0 (and the seed, top-k / top-p values while on) adds no
     entry to the compile cache; turning top-k on is a new program (a vocabulary sort)."""
-    gen = Generator(target)
+    gen = Generator(target, mode="ar")
     gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
     programs = len(decode_kit._COMPILED)
     greedy = gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
@@ -115,7 +117,7 @@ def test_greedy_and_sampling_share_one_compiled_program(target):
 def test_ctrl_c_keeps_the_tokens_made_so_far(target):
     """A KeyboardInterrupt after the first streamed chunk -> GenerationInterrupted whose result
     holds that chunk's tokens: the AR prefix."""
-    full = generate(target, [PROMPT_A, PROMPT_B], max_new_tokens=10, eos_token_ids=()).tokens
+    full = generate(target, [PROMPT_A, PROMPT_B], mode="ar", max_new_tokens=10, eos_token_ids=()).tokens
     chunks = []
 
     def interrupt_after_first_chunk(tokens):
@@ -126,6 +128,7 @@ def test_ctrl_c_keeps_the_tokens_made_so_far(target):
         generate(
             target,
             [PROMPT_A, PROMPT_B],
+            mode="ar",
             max_new_tokens=10,
             eos_token_ids=(),
             stream=interrupt_after_first_chunk,
@@ -141,7 +144,7 @@ def test_ctrl_c_before_any_chunk_finished_carries_no_result(target, monkeypatch)
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    gen = Generator(target)
+    gen = Generator(target, mode="ar")
     gen.generate(PROMPT_A, max_new_tokens=4, eos_token_ids=())  # compiled
     monkeypatch.setattr("longspec_jax.generation._Progress.read", interrupted)
     with pytest.raises(GenerationInterrupted) as caught:
@@ -150,7 +153,9 @@ def test_ctrl_c_before_any_chunk_finished_carries_no_result(target, monkeypatch)
 
 
 def test_sampling_is_reproducible_per_seed(target):
-    run = lambda seed: generate(target, PROMPT_A, max_new_tokens=8, temperature=1.0, top_p=0.95, seed=seed).tokens
+    run = lambda seed: (
+        generate(target, PROMPT_A, mode="ar", max_new_tokens=8, temperature=1.0, top_p=0.95, seed=seed).tokens
+    )
     assert run(3) == run(3)
     assert len({tuple(run(s)[0]) for s in range(4)}) > 1
 
@@ -166,7 +171,9 @@ def test_first_token_distribution_matches_the_filtered_softmax():
     draws = np.concatenate(
         [
             np.asarray(
-                generate(target, [prompt] * 400, max_new_tokens=1, temperature=temperature, top_k=top_k, seed=s).tokens
+                generate(
+                    target, [prompt] * 400, mode="ar", max_new_tokens=1, temperature=temperature, top_k=top_k, seed=s
+                ).tokens
             )[:, 0]
             for s in range(5)
         ]
@@ -182,29 +189,29 @@ def test_first_token_distribution_matches_the_filtered_softmax():
 
 def test_bad_inputs_raise_user_errors(target):
     with pytest.raises(UserError, match="empty prompt"):
-        generate(target, [], max_new_tokens=4)
+        generate(target, [], mode="ar", max_new_tokens=4)
     with pytest.raises(UserError, match="empty prompt"):
-        generate(target, [[1, 2], []], max_new_tokens=4)
+        generate(target, [[1, 2], []], mode="ar", max_new_tokens=4)
     with pytest.raises(UserError, match="context window is 512: shorten the prompt to at most 412"):
-        generate(target, [1] * 450, max_new_tokens=100)
+        generate(target, [1] * 450, mode="ar", max_new_tokens=100)
     with pytest.raises(UserError, match="context window of 512 positions .*lower max_new_tokens to at most 511"):
-        generate(target, [1, 2], max_new_tokens=600)
+        generate(target, [1, 2], mode="ar", max_new_tokens=600)
     with pytest.raises(UserError, match="token ids must be integers, got 1.5"):
-        generate(target, [1.5, 2.5], max_new_tokens=2)
+        generate(target, [1.5, 2.5], mode="ar", max_new_tokens=2)
     with pytest.raises(UserError, match="token ids must be integers"):
-        generate(target, [[1, 2], [3.0, 4]], max_new_tokens=2)
+        generate(target, [[1, 2], [3.0, 4]], mode="ar", max_new_tokens=2)
     with pytest.raises(UserError, match="top_k must be an integer in"):
-        generate(target, [1, 2], max_new_tokens=2, temperature=1.0, top_k=2**40)
+        generate(target, [1, 2], mode="ar", max_new_tokens=2, temperature=1.0, top_k=2**40)
     with pytest.raises(UserError, match="seed must be an integer in"):
-        generate(target, [1, 2], max_new_tokens=2, seed=1e23)
+        generate(target, [1, 2], mode="ar", max_new_tokens=2, seed=1e23)
     with pytest.raises(UserError, match="seed must be an integer"):
-        generate(target, [1, 2], max_new_tokens=2, seed=0.5)
+        generate(target, [1, 2], mode="ar", max_new_tokens=2, seed=0.5)
     with pytest.raises(UserError, match="max_new_tokens"):
-        generate(target, [1, 2], max_new_tokens=0)
+        generate(target, [1, 2], mode="ar", max_new_tokens=0)
     with pytest.raises(UserError, match="outside the target's vocabulary"):
-        generate(target, [1, 128], max_new_tokens=2)
+        generate(target, [1, 128], mode="ar", max_new_tokens=2)
     with pytest.raises(UserError, match="no tokenizer"):
-        generate(target, "text needs a tokenizer", max_new_tokens=2)
+        generate(target, "text needs a tokenizer", mode="ar", max_new_tokens=2)
     with pytest.raises(UserError, match="unknown mode"):
         generate(target, [1, 2], mode="beam", max_new_tokens=2)
     with pytest.raises(UserError, match="needs a draft"):

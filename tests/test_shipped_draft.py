@@ -62,7 +62,7 @@ def test_target_loaded_from_a_copy_decodes_with_the_shipped_draft(smollm2_copy):
     target = load_target(smollm2_copy, dtype="float32")
     assert target.shipped_draft == default_draft_dir()
     generator = Generator(target)
-    assert generator.mode == "longspec" and generator.draft is not None
+    assert generator.mode == "auto" and generator.draft is not None
     assert generator.draft.config.window == 512
 
 
@@ -74,4 +74,4 @@ def test_target_from_another_gguf_decodes_ar(tmp_path, monkeypatch):
     write_tiny_gguf(path, seed=0)
     target = load_target(path, dtype="float32")
     assert target.shipped_draft is None
-    assert Generator(target).mode == "ar"
+    assert Generator(target).draft is None

@@ -93,6 +93,9 @@ class OracleDraft:
     def commit(self, params, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl):
         return self._logits(params, tokens, positions), state
 
+    def remember(self, params, target_model, state, tokens, positions, valid):
+        return state
+
     def propose_level(
         self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
     ):
@@ -455,12 +458,12 @@ def chain_log_probs(target_graphdef, draft_graphdef, target_params, draft_params
     return jax.nn.log_softmax(model.lm_logits(hidden)[0, last])
 
 
-def test_auto_mode_uses_a_shipped_draft_else_ar(target, prompts, draft, reference, tmp_path):
-    assert Generator(target).mode == "ar"  # nothing shipped for this target
+def test_auto_mode_uses_a_shipped_draft(target, prompts, draft, reference, tmp_path):
+    assert Generator(target).draft is None  # nothing shipped for this target: auto adapts AR and PLD
     draft.save(tmp_path / "shipped")
     shipped = sharpened_target(vocab_size=48, eos_token_ids=())  # the same weights as `target`
     shipped.shipped_draft = tmp_path / "shipped"
-    auto = Generator(shipped, tree_widths=WIDTHS, attn_impl="xla")
+    auto = Generator(shipped, tree_widths=WIDTHS, attn_impl="xla")  # a fixed tree: longspec
     assert auto.mode == "longspec" and auto.draft is not None
     assert auto.generate(prompts, max_new_tokens=10, eos_token_ids=()).tokens == [r[:10] for r in reference]
     assert Generator(shipped, mode="longspec").draft is not None  # an explicit longspec finds it too

@@ -1,6 +1,6 @@
 """The calibration store: memory first, then disk, and a damaged file is measured again."""
 
-from longspec_jax.calibration_store import calibration_key, forget_calibrations, load_calibration, save_calibration
+from longspec_jax.calibration import calibration_key, forget_calibrations, load_calibration, save_calibration
 
 
 def test_saved_calibration_survives_a_new_process_memory(tmp_path):

@@ -1,0 +1,144 @@
+"""Adaptive speculation: each round, the candidate proposal with the most expected tokens per second.
+
+Mode "auto" decodes with an `Adaptive` proposer: a few static candidates, each its own compiled
+branch of the round (`lax.switch` on a device scalar, so no host round trip per round):
+    "ar"      the root alone: a plain target step;
+    "pld"     a prompt-lookup chain (free to propose, strong on text that repeats its context);
+    "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
+Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
+trees; at T > 0 the target's distribution is wide and a round accepts less, so trees are wider near
+the root and shallower; large batches get smaller trees. The choice each round is policy.py's.
+
+State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
+candidates of one draft share it. After every round each source is brought up to date: the one that
+proposed through `accept`, the others through `skip` then `accept` (the draft writes the tokens it did
+not see into its ring from their embeddings alone, which is what it would have written itself).
+
+Every candidate's round is exact (greedy: AR's tokens; sampling: AR's distribution), so switching at
+any round keeps the output exact; the policy only decides speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from longspec_jax.policy import PolicyState, init_policy
+from longspec_jax.proposers import (
+    BlockDraft,
+    DraftProposer,
+    NoProposal,
+    PromptLookup,
+    check_draft,
+)
+from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
+
+# Tokens a round is expected to keep before any evidence: optimistic, so each gets tried.
+PRIOR_TOKENS = {"ar": 1.0, "pld": 2.0, "tree": 3.0}
+LARGE_BATCH = 4  # from this many sequences on, smaller trees
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """name: "ar", "pld" or "tree w1,w2,..."; source: the index of the proposer whose state it
+    proposes from; proposer: the proposer that builds its tree."""
+
+    name: str
+    source: int
+    proposer: Any
+
+    @property
+    def depth(self) -> int:
+        return len(self.proposer.widths)
+
+
+@struct.dataclass
+class AdaptiveState:
+    """sources: each source proposer's state; policy: policy.py's estimates; forced: int32[], the
+    candidate every round runs while >= 0 (calibration), -1 to let the policy choose."""
+
+    sources: tuple
+    policy: PolicyState
+    forced: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """sources: the proposers that own state (init / skip / accept); candidates: what a round may
+    run. Parameters: a tuple with each source's parameters."""
+
+    sources: tuple
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.candidates)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The deepest candidate's widths: buffers are sized for its round."""
+        return max((c.proposer.widths for c in self.candidates), key=len)
+
+    @property
+    def slack(self) -> int:
+        """Cache rows past the kept tokens the largest tree writes."""
+        return max(sum(c.proposer.widths) for c in self.candidates)
+
+    def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
+        sources = tuple(
+            src.init(p, model, cache, prompt_tokens, prompt_lengths, first) for src, p in zip(self.sources, params)
+        )
+        priors = [PRIOR_TOKENS[c.name.split()[0]] for c in self.candidates]
+        return AdaptiveState(
+            sources=sources,
+            policy=init_policy(jnp.ones((len(self.candidates),)), priors),
+            forced=jnp.asarray(-1, jnp.int32),
+        )
+
+    def cache_bytes(self, state: AdaptiveState) -> int:
+        return sum(src.cache_bytes(s) for src, s in zip(self.sources, state.sources))
+
+
+def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, widths) of the candidates for a request: always AR and a PLD chain; a draft tree when
+    there is a draft: the deep default for greedy decoding at small batch, a wide and shallow one at
+    T > 0, small ones for large batches. Each candidate is one more branch to compile, so few."""
+    pld = (1,) * (10 if greedy else 5)
+    plan = [("ar", ()), ("pld", pld)]
+    if has_draft:
+        if batch >= LARGE_BATCH:
+            trees = [(4, 8, 8)] if greedy else [(4, 4)]
+        elif greedy:
+            trees = [DEFAULT_WIDTHS]
+        else:
+            trees = [(8, 8, 8)]
+        plan += [("tree " + ",".join(map(str, w)), w) for w in trees]
+    return tuple(plan)
+
+
+def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
+    """(the static Adaptive proposer, its parameters) for a `candidate_plan`."""
+    vocab = target.config.vocab_size
+    trees = [validate_widths(w, vocab) for name, w in plan if name.startswith("tree")]
+    sources: list = [NoProposal()]
+    params: list = [()]
+    candidates = [Candidate("ar", 0, sources[0])]
+    pld = [w for name, w in plan if name == "pld"]
+    if pld:
+        sources.append(PromptLookup(pld[0]))
+        params.append(())
+        candidates.append(Candidate("pld", len(sources) - 1, sources[-1]))
+    if trees:
+        check_draft(draft, target.config)
+        graphdef, draft_params = nnx.split(draft.block)
+        block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)))
+        rows = max(len(w) for _, w in plan) + 1  # any candidate's round may be the draft's next input
+        sources.append(DraftProposer(block, trees[0], pending_rows=rows))
+        params.append(draft_params)
+        index = len(sources) - 1
+        for w in trees:
+            candidates.append(Candidate("tree " + ",".join(map(str, w)), index, DraftProposer(block, w, rows)))
+    return Adaptive(tuple(sources), tuple(candidates)), tuple(params)

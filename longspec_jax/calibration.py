@@ -1,0 +1,139 @@
+"""What a round of each speculation candidate costs: measured once, kept in memory and on disk.
+
+The adaptive policy (policy.py) needs, for the current target, draft, batch size, cache rows,
+sampling filters, candidates and device, the seconds one round of each candidate takes. The first
+request of such a kind measures them on its own first rounds: each candidate in turn is forced for
+a few rounds (one to warm up, then enough to time), which are real rounds of the generation (every
+candidate is exact), so nothing is wasted but the time a slower candidate takes. The result is kept
+in this process's memory and in a small JSON file under the project's cache folder
+(`$LONGSPEC_CACHE/calibration`), so a second process does not measure again. A file that cannot be
+read or written is ignored; it never fails a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longspec_jax.compile_cache import cache_root
+
+TIMED_SECONDS = 0.03  # about how long each candidate is timed
+MAX_TIMED_ROUNDS = 16
+_MEMORY: dict[str, dict[str, float]] = {}
+
+
+def calibration_key(**parts) -> str:
+    """A stable hex key of the things a round's cost depends on, plus the device and jax version."""
+    device = jax.devices()[0]
+    parts = {**parts, "device": f"{device.platform}:{getattr(device, 'device_kind', '')}", "jax": jax.__version__}
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def load_calibration(key: str, folder: Path | None) -> dict[str, float] | None:
+    """The seconds per round of each candidate by name, or None when not measured yet."""
+    if key in _MEMORY:
+        return _MEMORY[key]
+    if folder is None:
+        return None
+    try:
+        seconds = json.loads((folder / f"{key}.json").read_text())["seconds_per_round"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(seconds, dict) or not all(
+        isinstance(v, int | float) and math.isfinite(v) and v > 0 for v in seconds.values()
+    ):
+        return None
+    _MEMORY[key] = {str(k): float(v) for k, v in seconds.items()}
+    return _MEMORY[key]
+
+
+def save_calibration(key: str, seconds: dict[str, float], folder: Path | None, **about) -> None:
+    """Keep `seconds` (per round, by candidate name) in memory and, when possible, on disk."""
+    _MEMORY[key] = dict(seconds)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.json.tmp"
+        tmp.write_text(json.dumps({"seconds_per_round": seconds, **about}, indent=1, default=str))
+        tmp.replace(folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+def forget_calibrations() -> None:
+    """Drop the in-memory copies (tests; a process that changed devices)."""
+    _MEMORY.clear()
+
+
+def calibration_folder() -> Path | None:
+    try:
+        return cache_root() / "calibration"
+    except RuntimeError:  # no home folder to put it under
+        return None
+
+
+def _force(state, candidate: int):
+    return state.replace(proposal=state.proposal.replace(forced=jnp.asarray(candidate, jnp.int32)))
+
+
+def measure_rounds(state, run, candidates: int):
+    """Seconds per round of each candidate, timed on the generation's own rounds -> (state after
+    them, float seconds[K]). run(state, rounds) runs the loop until `rounds` rounds in total."""
+    seconds = np.full((candidates,), np.nan)
+    for k in range(candidates):
+        state = _force(state, k)
+        warm = int(state.rounds) + 1
+        start = time.perf_counter()
+        state = jax.block_until_ready(run(state, warm))
+        first = time.perf_counter() - start
+        n = int(np.clip(TIMED_SECONDS / max(first, 1e-6), 2, MAX_TIMED_ROUNDS))
+        start = time.perf_counter()
+        state = jax.block_until_ready(run(state, warm + n))
+        ran = int(state.rounds) - warm
+        if ran > 0:
+            seconds[k] = (time.perf_counter() - start) / ran
+    return _force(state, -1), seconds
+
+
+def calibrated(state, run, names: tuple[str, ...], key: str):
+    """The loop state with the policy's round costs set: from memory or disk when this kind of
+    request was measured before, else measured now on the first rounds. -> (state, where the costs
+    came from: "kept" or "measured")."""
+    folder = calibration_folder()
+    kept = load_calibration(key, folder)
+    if kept is not None and set(kept) == set(names):
+        seconds, source = np.asarray([kept[n] for n in names]), "kept"
+    else:
+        state, seconds = measure_rounds(state, run, len(names))
+        source = "measured"
+        if np.isnan(seconds).any():  # the request ended before every candidate ran: do not keep it
+            seconds = np.where(np.isnan(seconds), np.nanmax(np.append(seconds, 1.0)), seconds)
+        else:
+            save_calibration(key, dict(zip(names, seconds.tolist())), folder)
+    policy = state.proposal.policy.replace(seconds_per_round=jnp.asarray(seconds, jnp.float32))
+    return state.replace(proposal=state.proposal.replace(policy=policy)), source
+
+
+def policy_stats(proposer, policy, source) -> dict:
+    """What the policy did in a request, per candidate: rounds run, mean tokens kept per sequence
+    and round, and the calibrated milliseconds per round (with where they came from)."""
+    if policy is None:
+        return {}
+    stats = {"calibration": source, "candidates": {}}
+    for i, name in enumerate(proposer.names):
+        rounds, active = int(policy.rounds[i]), int(policy.active[i])
+        stats["candidates"][name] = {
+            "rounds": rounds,
+            "tokens_per_round": float(policy.emitted[i]) / active if active else None,
+            "ms_per_round": 1e3 * float(policy.seconds_per_round[i]),
+        }
+    return stats

@@ -1,0 +1,171 @@
+"""Mode "auto": the adaptive engine picks AR, prompt lookup or a draft tree each round (adaptive.py).
+
+Round costs are fixed by the tests (a real measurement on a busy CPU would make the choices, though
+never the tokens, vary), so what the policy does follows from the tokens alone. Switching between
+candidates is forced where a test needs it, through the loop state's `forced` candidate, which is
+what the calibration itself uses."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from longspec_jax import calibration
+from longspec_jax.adaptive import Adaptive, Candidate, candidate_plan
+from longspec_jax.draft import DraftConfig
+from longspec_jax.draft_io import init_draft
+from longspec_jax.generation import DecodeRequest, Generator, generate
+from longspec_jax.proposers import DraftProposer, NoProposal
+from longspec_jax.sampling import SamplingParams
+from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
+
+VOCAB = 40
+
+
+@pytest.fixture(autouse=True)
+def fresh_calibrations(monkeypatch, tmp_path):
+    """Each test measures (or fixes) its own costs: nothing kept from another test."""
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path))
+    calibration.forget_calibrations()
+    yield
+    calibration.forget_calibrations()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpened_target(seed=4, vocab_size=VOCAB, eos_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return init_draft(target, seed=5, config=DraftConfig(window=8))
+
+
+def fixed_costs(seconds_by_name):
+    """A measure_rounds stand-in: no calibration rounds, the given costs."""
+
+    def measure(state, run, candidates):
+        names = list(seconds_by_name)
+        assert len(names) == candidates
+        return state, np.asarray([seconds_by_name[n] for n in names])
+
+    return measure
+
+
+def forced_sequence(order):
+    """A measure_rounds stand-in that runs one round of each candidate index in `order` (switching
+    every round), then hands over to the policy with equal costs."""
+
+    def measure(state, run, candidates):
+        for k in order:
+            state = calibration._force(state, k)
+            state = run(state, int(state.rounds) + 1)
+        return calibration._force(state, -1), np.ones(candidates)
+
+    return measure
+
+
+def rounds_of(result):
+    return {name: c["rounds"] for name, c in result.stats.policy["candidates"].items()}
+
+
+def test_plans_fit_sampling_and_batch():
+    assert [n for n, _ in candidate_plan(False, True, 1)] == ["ar", "pld"]
+    greedy = dict(candidate_plan(True, True, 1))
+    sampled = dict(candidate_plan(True, False, 1))
+    batched = dict(candidate_plan(True, True, 8))
+    tree = lambda plan: next(w for n, w in plan.items() if n.startswith("tree"))
+    assert len(tree(greedy)) > len(tree(sampled))  # greedy affords depth
+    assert tree(sampled)[0] >= tree(greedy)[0]  # sampling spends the budget near the root
+    assert sum(tree(batched)) < sum(tree(greedy))  # large batches get smaller trees
+
+
+def test_random_draft_falls_back_to_ar_and_stays_exact(target, draft, monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 1.2, "tree 4,16,16,16,16": 2.0}))
+    prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
+    ar = generate(target, prompt, mode="ar", max_new_tokens=48, eos_token_ids=())
+    auto = generate(target, prompt, draft=draft, max_new_tokens=48, eos_token_ids=())
+    assert auto.tokens == ar.tokens
+    rounds = rounds_of(auto)
+    assert rounds["ar"] >= 0.7 * sum(rounds.values()), rounds
+    assert auto.stats.policy["candidates"]["tree 4,16,16,16,16"]["tokens_per_round"] < 2.0
+
+
+def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
+    # The oracle draft of test_speculative knows the greedy continuation (right ~85 % of the time).
+    widths = (3, 4, 4)
+    name = "tree 3,4,4"
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, name: 1.5}))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, 13).tolist(), rng.integers(0, VOCAB, 6).tolist()]
+    max_new = 40
+    reference = generate(target, prompts, mode="ar", max_new_tokens=max_new, eos_token_ids=()).tokens
+    known = np.zeros((2, 13 + max_new), np.int32)
+    for b, (p, out) in enumerate(zip(prompts, reference)):
+        known[b, : len(p) + len(out)] = p + out
+    tree = DraftProposer(OracleDraft(VOCAB), widths)
+    adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", 0, NoProposal()), Candidate(name, 1, tree)))
+    generator = Generator(target, mode="ar")
+    generator.proposer_for_request = lambda request, batch: (adaptive, ((), jnp.asarray(known)))
+    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=())
+    result = generator.decode(prompts, request)
+    assert result.tokens == reference
+    rounds = rounds_of(result)
+    assert rounds[name] >= 0.9 * sum(rounds.values()), rounds
+    assert result.stats.policy["candidates"][name]["tokens_per_round"] > 2.5
+
+
+def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([2, 0, 1, 2, 2, 0, 1, 0, 2]))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, 25).tolist(), rng.integers(0, VOCAB, 9).tolist()]
+    ar = generate(target, prompts, mode="ar", max_new_tokens=40, eos_token_ids=())
+    auto = Generator(target, draft).generate(prompts, max_new_tokens=40, eos_token_ids=())
+    assert auto.tokens == ar.tokens
+    assert all(r > 0 for r in rounds_of(auto).values())
+
+
+def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):
+    calls = []
+    real = calibration.measure_rounds
+
+    def counting(state, run, candidates):
+        calls.append(candidates)
+        return real(state, run, candidates)
+
+    monkeypatch.setattr(calibration, "measure_rounds", counting)
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 20).tolist()
+    first = generate(target, prompt, max_new_tokens=40, eos_token_ids=())
+    assert calls == [2] and first.stats.policy["calibration"] == "measured"
+    calibration.forget_calibrations()  # what a new process starts with
+    second = generate(target, prompt, max_new_tokens=40, eos_token_ids=())
+    assert calls == [2] and second.stats.policy["calibration"] == "kept"
+    assert (tmp_path / "calibration").is_dir()
+    assert second.tokens == first.tokens
+
+
+@pytest.mark.slow
+def test_sampling_that_switches_candidates_matches_the_target_distribution(monkeypatch, tmp_path):
+    # Round 1 by prompt lookup, round 2 by AR, round 3 by the draft tree: the first three tokens of a
+    # sequence come from whichever rounds its acceptances reached. (A first tree round would decide
+    # them all: its 4 root children cover this 4-token vocabulary.)
+    monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([1, 0, 2]))
+    target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
+    draft = init_draft(target, seed=3, config=DraftConfig(window=16))
+    prompt = [1, 3, 0, 2, 2]
+    result = generate(
+        target, [prompt] * SAMPLES, draft=draft, max_new_tokens=3, temperature=1.0, seed=11, eos_token_ids=()
+    )
+    rounds = rounds_of(result)
+    assert rounds["pld"] == rounds["ar"] == 1, rounds  # a switch inside the three tokens
+    expected = exact_first_three(target, prompt, SamplingParams.create(temperature=1.0)).reshape(-1) * SAMPLES
+    tokens = np.asarray(result.tokens)
+    observed = np.bincount(
+        (tokens[:, 0] * SAMPLE_VOCAB + tokens[:, 1]) * SAMPLE_VOCAB + tokens[:, 2], minlength=SAMPLE_VOCAB**3
+    )
+    assert observed[expected == 0].sum() == 0
+    big = expected >= 5
+    small = ~big & (expected > 0)
+    obs = np.append(observed[big], observed[small].sum() if small.any() else []).astype(np.float64)
+    exp = np.append(expected[big], expected[small].sum() if small.any() else []).astype(np.float64)
+    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
