@@ -6,7 +6,10 @@
         [--json-out F] [--runs-out F [--resume]] [--profile]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
-Every prompt runs every mode at every temperature in this one process (batch 1). Compilation is
+Every prompt runs every mode at every temperature in this one process; with --batch-sizes 1,4,8
+also as batches of consecutive prompts of a task (a batch is one run; a remainder shorter than the
+batch is left out). Mode "auto" is the adaptive engine (AR, prompt lookup and the draft's trees,
+chosen each round); its round costs are calibrated during the warm-up run. Compilation is
 timed apart from prefill and decode (stats.compile_s), and the first run of a (mode, cache size,
 temperature) is a warm-up that is not counted, so timings hold neither compilation nor first-run
 costs. tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the
@@ -76,6 +79,7 @@ def run_benchmark(
     log=print,
     on_run=None,
     done: tuple[dict, ...] = (),
+    batch_sizes=(1,),
 ) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
@@ -101,7 +105,7 @@ def run_benchmark(
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
         generators[mode] = Generator(
             target,
-            draft if mode == "longspec" else None,
+            draft if mode in ("longspec", "auto") else None,
             mode=mode,
             attn_impl=impl,
             tree_widths=tree_widths if mode == "longspec" else None,
@@ -114,7 +118,7 @@ def run_benchmark(
     finished = {(r["id"], r["mode"], r["temperature"]) for r in done}
     ar_digest = {(r["id"], r["temperature"]): r["tokens_sha1"] for r in done if r["mode"] == "ar"}
     runs = []
-    for item in items:
+    for item in _batched(items, batch_sizes, log):
         if item["prompt_len"] + max_new_tokens > window:
             log(
                 f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens "
@@ -129,7 +133,7 @@ def run_benchmark(
                 try:
                     # Greedy and sampling may be different programs: warm each up once per cache size
                     # (the decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
-                    shape = (mode, plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature)
+                    shape = (mode, plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature, item["batch"])
                     if shape not in warmed:
                         generator.generate(item["prompt_ids"], **kwargs)
                         warmed.add(shape)
@@ -139,7 +143,7 @@ def run_benchmark(
                     del generators[mode]
                     log(f"skipping mode {mode}: {e}")
                     continue
-                tokens, stats = result.tokens[0], result.stats
+                tokens, stats = (result.tokens[0] if item["batch"] == 1 else result.tokens), result.stats
                 digest = _tokens_digest(tokens)
                 if mode == "ar":
                     ar_digest[item["id"], temperature] = digest
@@ -149,6 +153,7 @@ def run_benchmark(
                     "task": item["task"],
                     "bucket": item.get("bucket"),
                     "prompt_len": item["prompt_len"],
+                    "batch": item["batch"],
                     "mode": mode,
                     "temperature": temperature,
                     "new_tokens": stats.new_tokens,
@@ -161,6 +166,7 @@ def run_benchmark(
                     "target_cache_bytes": stats.target_cache_bytes,
                     "draft_cache_bytes": stats.draft_cache_bytes,
                     "profile": stats.profile,
+                    "policy": stats.policy,
                     "tokens_sha1": digest,
                     "tree_widths": longspec_widths if mode == "longspec" else None,
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
@@ -173,6 +179,36 @@ def run_benchmark(
                     f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens"
                 )
     return {"runs": runs, "skipped_modes": skipped}
+
+
+def _batched(items: list[dict], batch_sizes, log) -> list[dict]:
+    """The runs to make: each item alone (batch 1), and for each larger batch size B, groups of B
+    consecutive items of one task as one item (ids joined by '+', the longest prompt's length)."""
+    units = []
+    for b in batch_sizes:
+        if b == 1:
+            units += [dict(item, batch=1) for item in items]
+            continue
+        by_task: dict[str, list[dict]] = defaultdict(list)
+        for item in items:
+            by_task[item["task"]].append(item)
+        for task, group in by_task.items():
+            whole = len(group) - len(group) % b
+            if whole < len(group):
+                log(f"batch {b}: leaving out the last {len(group) - whole} {task} prompts (not a whole batch)")
+            for start in range(0, whole, b):
+                part = group[start : start + b]
+                units.append(
+                    {
+                        "id": "+".join(i["id"] for i in part),
+                        "task": task,
+                        "bucket": None,
+                        "prompt_len": max(i["prompt_len"] for i in part),
+                        "prompt_ids": [i["prompt_ids"] for i in part],
+                        "batch": b,
+                    }
+                )
+    return units
 
 
 def _group_stats(runs: list[dict]) -> dict:
@@ -203,10 +239,11 @@ def summarise(runs: list[dict]) -> dict:
             groups[tuple(r[f] for f in key_fields)].append(r)
         return [dict(zip(key_fields, key), **_group_stats(rs)) for key, rs in groups.items()]
 
-    by_task = grouped(("task", "temperature", "mode"), runs)
-    ar_speed = {(g["task"], g["temperature"]): g["tokens_per_s"] for g in by_task if g["mode"] == "ar"}
+    runs = [dict(r, batch=r.get("batch", 1)) for r in runs]  # records from before batches were run
+    by_task = grouped(("task", "batch", "temperature", "mode"), runs)
+    ar_speed = {(g["task"], g["batch"], g["temperature"]): g["tokens_per_s"] for g in by_task if g["mode"] == "ar"}
     for g in by_task:
-        ar = ar_speed.get((g["task"], g["temperature"]))
+        ar = ar_speed.get((g["task"], g["batch"], g["temperature"]))
         g["speedup_vs_ar"] = g["tokens_per_s"] / ar if ar else None
     by_bucket = grouped(("bucket", "temperature", "mode"), [r for r in runs if r["bucket"] is not None])
     tau_change = {}
@@ -226,13 +263,14 @@ def _fmt(x, spec: str) -> str:
 
 def markdown_tables(summary: dict) -> str:
     lines = [
-        "| task | T | mode | prompts | tau | tokens/s | speedup vs AR | greedy = AR |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| task | batch | T | mode | runs | tau | tokens/s | speedup vs AR | greedy = AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for g in summary["by_task"]:
         lines.append(
-            f"| {g['task']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | {g['mean_tau']:.2f} | "
-            f"{g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | {_fmt(g['matches_ar'], '.0%')} |"
+            f"| {g['task']} | {g['batch']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | "
+            f"{g['mean_tau']:.2f} | {g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | "
+            f"{_fmt(g['matches_ar'], '.0%')} |"
         )
     if summary["by_bucket"]:
         lines += [
@@ -278,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="LongSpec draft (default for the embedded target: the shipped draft)")
     p.add_argument("--modes", default="ar,pld,longspec")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--batch-sizes", default="1", help="e.g. 1,4,8: also run batches of consecutive prompts")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, help="first N prompts per task (per bucket for prefill_length)")
@@ -317,7 +356,7 @@ def run(args: argparse.Namespace) -> dict:
 
     tree_widths = parse_tree_widths(args.tree_widths)
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
-    target, draft = load_models(args.target, args.draft, args.dtype, "longspec" in modes)
+    target, draft = load_models(args.target, args.draft, args.dtype, bool({"longspec", "auto"} & set(modes)))
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
@@ -353,6 +392,7 @@ def run(args: argparse.Namespace) -> dict:
             log=log,
             on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()),
             done=tuple(done),
+            batch_sizes=_csv(args.batch_sizes, int, "--batch-sizes"),
         )
     finally:
         if runs_out is not None:

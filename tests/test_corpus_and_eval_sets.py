@@ -402,3 +402,25 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert benchmark.main([*common, "--modes", "longspec", "--json-out", str(out)]) == 0
     assert json.loads(out.read_text())["runs"][0]["tree_widths"] == [4, 16, 16, 16, 16]  # the engine's default
     assert benchmark.main([*common, "--tree-widths", "4,x"]) == 2
+
+
+def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=3, per_bucket=1)
+    tok = CharTokenizer()
+    sets = build_eval_sets.build_eval_sets(fake_documents("code", 6, 20), fake_documents("doc", 4, 12), tok, spec)
+    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    out = tmp_path / "results.json"
+    args = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,auto"]
+    args += ["--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "6"]
+    assert benchmark.main([*args, "--batch-sizes", "1,2", "--json-out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    batched = [r for r in runs if r["batch"] == 2]
+    assert {r["mode"] for r in batched} == {"ar", "auto"} and len(batched) == 2  # 3 prompts: one whole batch
+    assert all(r["matches_ar"] for r in runs if r["mode"] == "auto")
+    assert all(r["policy"]["candidates"].keys() == {"ar", "pld"} for r in runs if r["mode"] == "auto")
+    rows = json.loads(out.read_text())["summary"]["by_task"]
+    assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
