@@ -1,7 +1,8 @@
 """Adaptive speculation: each round, the candidate proposal with the most expected tokens per second.
 
 Mode "auto" decodes with an `Adaptive` proposer: a few static candidates, each its own compiled
-branch of the round (`lax.switch` on a device scalar, so no host round trip per round):
+decode loop (a candidate's rounds run back to back on the device; a branch inside one loop was
+measured 2-4x slower per round on the H200, BENCHMARKS.md):
     "ar"      the root alone: a plain target step;
     "pld"     a prompt-lookup chain (free to propose, strong on text that repeats its context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
@@ -57,12 +58,10 @@ class Candidate:
 
 @struct.dataclass
 class AdaptiveState:
-    """sources: each source proposer's state; policy: policy.py's estimates; forced: int32[], the
-    candidate every round runs while >= 0 (calibration), -1 to let the policy choose."""
+    """sources: each source proposer's state; policy: policy.py's estimates."""
 
     sources: tuple
     policy: PolicyState
-    forced: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +91,7 @@ class Adaptive:
             src.init(p, model, cache, prompt_tokens, prompt_lengths, first) for src, p in zip(self.sources, params)
         )
         priors = [PRIOR_TOKENS[c.name.split()[0]] for c in self.candidates]
-        return AdaptiveState(
-            sources=sources,
-            policy=init_policy(jnp.ones((len(self.candidates),)), priors),
-            forced=jnp.asarray(-1, jnp.int32),
-        )
+        return AdaptiveState(sources=sources, policy=init_policy(jnp.ones((len(self.candidates),)), priors))
 
     def cache_bytes(self, state: AdaptiveState) -> int:
         return sum(src.cache_bytes(s) for src, s in zip(self.sources, state.sources))

@@ -81,33 +81,30 @@ def calibration_folder() -> Path | None:
         return None
 
 
-def _force(state, candidate: int):
-    return state.replace(proposal=state.proposal.replace(forced=jnp.asarray(candidate, jnp.int32)))
-
-
 def measure_rounds(state, run, candidates: int):
     """Seconds per round of each candidate, timed on the generation's own rounds -> (state after
-    them, float seconds[K]). run(state, rounds) runs the loop until `rounds` rounds in total."""
+    them, float seconds[K], NaN where the request ended first). run(state, rounds, candidate) runs
+    a candidate's loop until `rounds` rounds in total."""
     seconds = np.full((candidates,), np.nan)
     for k in range(candidates):
-        state = _force(state, k)
         warm = int(state.rounds) + 1
         start = time.perf_counter()
-        state = jax.block_until_ready(run(state, warm))
+        state = jax.block_until_ready(run(state, warm, k))
         first = time.perf_counter() - start
         n = int(np.clip(TIMED_SECONDS / max(first, 1e-6), 2, MAX_TIMED_ROUNDS))
         start = time.perf_counter()
-        state = jax.block_until_ready(run(state, warm + n))
+        state = jax.block_until_ready(run(state, warm + n, k))
         ran = int(state.rounds) - warm
         if ran > 0:
             seconds[k] = (time.perf_counter() - start) / ran
-    return _force(state, -1), seconds
+    return state, seconds
 
 
 def calibrated(state, run, names: tuple[str, ...], key: str):
     """The loop state with the policy's round costs set: from memory or disk when this kind of
-    request was measured before, else measured now on the first rounds. -> (state, where the costs
-    came from: "kept" or "measured")."""
+    request was measured before, else measured now on the first rounds (each candidate's rounds
+    also count as evidence for the policy). -> (state, where the costs came from: "kept" or
+    "measured")."""
     folder = calibration_folder()
     kept = load_calibration(key, folder)
     if kept is not None and set(kept) == set(names):

@@ -31,7 +31,7 @@ from longspec_jax.acceptance import Acceptance, accept
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import KVCache, Transformer, commit
-from longspec_jax.policy import choose, record
+from longspec_jax.policy import record
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -47,6 +47,7 @@ class LoopConfig:
     proposer: Any
     new_bucket: int
     attn_impl: str
+    candidate: int = 0  # with an adaptive proposer (adaptive.py): the candidate this program runs
 
     @property
     def depth(self) -> int:
@@ -150,36 +151,27 @@ def accept_and_commit(
 
 
 def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState, sampling) -> LoopState:
-    """One round of the candidate the policy (or a forced calibration) picks (adaptive.py)."""
+    """One round of candidate `config.candidate` of an adaptive proposer (adaptive.py): its
+    proposer proposes, the other sources catch up, and the policy records what the round kept."""
     adaptive = config.proposer
-    own = state.proposal
-    chosen = jnp.where(own.forced >= 0, own.forced, choose(own.policy)).astype(jnp.int32)
+    candidate = adaptive.candidates[config.candidate]
+    sources = state.proposal.sources
+    tree, mine = candidate.proposer.propose(
+        proposer_params[candidate.source], model, sources[candidate.source], state.roots, state.cache, config.attn_impl
+    )
+    current = [
+        mine if j == candidate.source else src.skip(proposer_params[j], model, sources[j], state.cache)
+        for j, src in enumerate(adaptive.sources)
+    ]
 
-    def branch(candidate):
-        def run(state: LoopState) -> LoopState:
-            sources = state.proposal.sources
-            params = proposer_params[candidate.source]
-            tree, mine = candidate.proposer.propose(
-                params, model, sources[candidate.source], state.roots, state.cache, config.attn_impl
-            )
-            current = [
-                mine if j == candidate.source else src.skip(proposer_params[j], model, sources[j], state.cache)
-                for j, src in enumerate(adaptive.sources)
-            ]
+    def update(emitted, n_keep, positions):
+        accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
+        kept, active = n_keep.sum(), (~state.done).sum()
+        policy = record(state.proposal.policy, jnp.int32(config.candidate), kept, active)
+        return state.proposal.replace(sources=accepted, policy=policy)
 
-            def update(emitted, n_keep, positions):
-                accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
-                return state.proposal.replace(sources=accepted)
-
-            logits, cache = verify(config, model, tree, state.cache)
-            return accept_and_commit(config, state, tree, logits, cache, None, sampling, update_proposal=update)
-
-        return run
-
-    new = jax.lax.switch(chosen, [branch(c) for c in adaptive.candidates], state)
-    kept = (new.n_new - state.n_new).sum()
-    active = (~state.done).sum()
-    return new.replace(proposal=new.proposal.replace(policy=record(own.policy, chosen, kept, active)))
+    logits, cache = verify(config, model, tree, state.cache)
+    return accept_and_commit(config, state, tree, logits, cache, None, sampling, update_proposal=update)
 
 
 def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams) -> LoopState:

@@ -57,6 +57,7 @@ from longspec_jax.decode_kit import (
 from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start
 from longspec_jax.draft_io import inference_draft
 from longspec_jax.errors import GenerationInterrupted, UserError
+from longspec_jax.policy import next_run
 from longspec_jax.proposers import proposer_for
 from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams
@@ -225,10 +226,20 @@ class Generator:
         run_start, c1 = compiled(start, *start_args, config=config)
         state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
         rounds_limit = jnp.asarray(0, jnp.int32)
-        run_decode, c2 = compiled(
-            decode, self.params, proposer_params, state_shape, rounds_limit, request.sampling, config=config
+        # One loop program per adaptive candidate (adaptive.py), else the one loop.
+        configs = (
+            [dataclasses.replace(config, candidate=k) for k in range(len(proposer.candidates))]
+            if adaptive
+            else [config]
         )
-        compile_s += c1 + c2
+        loops = []
+        for c in configs:
+            loop, seconds = compiled(
+                decode, self.params, proposer_params, state_shape, rounds_limit, request.sampling, config=c
+            )
+            loops.append(loop)
+            compile_s += seconds
+        compile_s += c1
         chunk = CHUNK_ROUNDS if request.stream is None else max(1, request.stream_every // (len(widths) + 1))
 
         def result(progress: _Progress, decode_s: float, profile=None) -> GenerationResult:
@@ -249,8 +260,10 @@ class Generator:
             text = None if self.target.tokenizer is None else [decode_text(self.target.tokenizer, t) for t in tokens]
             return GenerationResult(tokens=tokens, stats=stats, text=text)
 
-        def run(state, rounds: int):
-            return run_decode(self.params, proposer_params, state, jnp.asarray(rounds, jnp.int32), request.sampling)
+        def run(state, rounds: int, candidate: int = 0):
+            """The loop (of an adaptive candidate) until `rounds` rounds in all, or every sequence is done."""
+            limit = jnp.asarray(rounds, jnp.int32)
+            return loops[candidate](self.params, proposer_params, state, limit, request.sampling)
 
         t0 = time.perf_counter()
         progress = None
@@ -270,9 +283,10 @@ class Generator:
                     filters=(request.sampling.use_top_k, request.sampling.use_top_p),
                 )
                 state, calibration = calibrated(state, run, proposer.names, key)
-            while progress is None or not progress.done.all():
-                limit = (int(state.rounds) if progress is None else progress.rounds) + chunk
-                state = run(state, limit)
+            progress = _Progress.read(state)
+            while not progress.done.all():
+                candidate, rounds = next_run(progress.policy, chunk) if adaptive else (0, chunk)
+                state = run(state, progress.rounds + rounds, candidate)
                 progress = _Progress.read(state)
                 if request.stream is not None:
                     request.stream(finish_tokens(progress.out, progress.n_new, request.eos_token_ids))
@@ -282,7 +296,7 @@ class Generator:
         decode_s = time.perf_counter() - t0
 
         profile = {}
-        if request.profile and not adaptive:  # an adaptive round has no one set of parts
+        if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy
             profile, state = profile_round(config, self.params, proposer_params, state, request.sampling)
         if request.profile:
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)

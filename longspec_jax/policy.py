@@ -14,7 +14,8 @@ AR emits exactly one token per round, so its estimate is fixed at 1. A candidate
 gathers no evidence, so a losing candidate is retried after `wait[k]` rounds; every retry that does
 not make it the best doubles its wait (up to MAX_WAIT), so a draft that never pays costs at most a
 round in MAX_WAIT, and one that starts paying again is found within that many rounds. All of it is
-arrays in the loop's carry: no host round trip per round.
+arrays in the loop's carry, updated by every round on the device; the host reads them between runs
+of rounds (`next_run`), never once per round.
 
 Exactness does not depend on the policy: every candidate's round emits tokens distributed exactly as
 the target's (greedy: equal to AR), so switching between them at any round keeps the output exact.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 EMA_WEIGHT = 0.125  # weight of the newest round in a candidate's estimate (tau per round is noisy)
@@ -71,15 +73,29 @@ def expected_rates(policy: PolicyState) -> jax.Array:
     return policy.tokens_per_round / policy.seconds_per_round
 
 
-def choose(policy: PolicyState) -> jax.Array:
-    """int32[]: the candidate for the next round. The best by expected rate, unless another one has
-    waited its turn for a retry (the one that waited longest past its wait)."""
-    best = jnp.argmax(expected_rates(policy))
+def choose(policy: PolicyState, xp=jnp):
+    """The candidate for the next round: the best by expected rate, unless another one has waited
+    its turn for a retry (the one that waited longest past its wait). xp: jnp on the device, numpy
+    for a policy read back to the host."""
+    best = xp.argmax(expected_rates(policy))
     overdue = policy.since_used - policy.wait
-    candidates = jnp.arange(policy.since_used.shape[0])
-    overdue = jnp.where((candidates != best) & (candidates != AR), overdue, -1)
-    retry = jnp.argmax(overdue)
-    return jnp.where(overdue[retry] >= 0, retry, best).astype(jnp.int32)
+    candidates = xp.arange(policy.since_used.shape[0])
+    overdue = xp.where((candidates != best) & (candidates != AR), overdue, -1)
+    retry = xp.argmax(overdue)
+    return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
+
+
+def next_run(policy: PolicyState, most: int) -> tuple[int, int]:
+    """Host side, on a policy read back as numpy arrays: (candidate, rounds) to run next. A retry
+    runs one round. The best runs until the next retry of another candidate is due, and at most as
+    many rounds as it has run so far (its estimate may fall behind another's: it is looked at again
+    after 1, 2, 4, ... rounds) and `most`: a few host reads per request, never one per round."""
+    k = int(choose(policy, np))
+    best = int(np.argmax(expected_rates(policy)))
+    if k != best:
+        return k, 1
+    due = [int(policy.wait[j] - policy.since_used[j]) for j in range(len(policy.wait)) if j not in (best, AR)]
+    return k, int(min([most, max(1, int(policy.rounds[k])), *(max(1, d) for d in due)]))
 
 
 def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:

@@ -2,8 +2,8 @@
 
 Round costs are fixed by the tests (a real measurement on a busy CPU would make the choices, though
 never the tokens, vary), so what the policy does follows from the tokens alone. Switching between
-candidates is forced where a test needs it, through the loop state's `forced` candidate, which is
-what the calibration itself uses."""
+candidates is forced where a test needs it, by running a given candidate's loop for one round,
+which is what the calibration itself does."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,9 +58,8 @@ def forced_sequence(order):
 
     def measure(state, run, candidates):
         for k in order:
-            state = calibration._force(state, k)
-            state = run(state, int(state.rounds) + 1)
-        return calibration._force(state, -1), np.ones(candidates)
+            state = run(state, int(state.rounds) + 1, k)
+        return state, np.ones(candidates)
 
     return measure
 

@@ -65,7 +65,19 @@ def test_json_output_matches_the_library(checkpoint, prompt_file, capsys):
 
 def test_plain_output_prints_text_then_stats(checkpoint, prompt_file, capsys):
     assert (
-        main(["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "4", "--profile"])
+        main(
+            [
+                "--prompt-file",
+                str(prompt_file),
+                "--target",
+                str(checkpoint),
+                "--max-new-tokens",
+                "4",
+                "--profile",
+                "--mode",
+                "ar",
+            ]
+        )
         == 0
     )
     captured = capsys.readouterr()
