@@ -25,7 +25,9 @@ import numpy as np
 from longspec_jax.compile_cache import cache_root
 
 TIMED_SECONDS = 0.03  # about how long each candidate is timed
+WARM_ROUNDS = 2
 MAX_TIMED_ROUNDS = 16
+MIN_CLOCKED_ROUNDS = 4
 _MEMORY: dict[str, dict[str, float]] = {}
 
 
@@ -84,20 +86,49 @@ def calibration_folder() -> Path | None:
 def measure_rounds(state, run, candidates: int):
     """Seconds per round of each candidate, timed on the generation's own rounds -> (state after
     them, float seconds[K], NaN where the request ended first). run(state, rounds, candidate) runs
-    a candidate's loop until `rounds` rounds in total."""
+    a candidate's loop until `rounds` rounds in total. Each candidate runs one round to warm up,
+    then WARM_ROUNDS and WARM_ROUNDS + n rounds: the difference of the two timings over n cancels
+    what a call costs besides its rounds (launch, the host's wait), which would otherwise make short
+    runs look slow."""
     seconds = np.full((candidates,), np.nan)
     for k in range(candidates):
-        warm = int(state.rounds) + 1
-        start = time.perf_counter()
-        state = jax.block_until_ready(run(state, warm, k))
-        first = time.perf_counter() - start
-        n = int(np.clip(TIMED_SECONDS / max(first, 1e-6), 2, MAX_TIMED_ROUNDS))
-        start = time.perf_counter()
-        state = jax.block_until_ready(run(state, warm + n, k))
-        ran = int(state.rounds) - warm
-        if ran > 0:
-            seconds[k] = (time.perf_counter() - start) / ran
+        state = jax.block_until_ready(run(state, int(state.rounds) + 1, k))
+        start, base = time.perf_counter(), int(state.rounds)
+        state = jax.block_until_ready(run(state, base + WARM_ROUNDS, k))
+        short, short_rounds = time.perf_counter() - start, int(state.rounds) - base
+        per_round = short / max(short_rounds, 1)
+        n = int(np.clip(TIMED_SECONDS / max(per_round, 1e-6), WARM_ROUNDS + 4, MAX_TIMED_ROUNDS))
+        start, base = time.perf_counter(), int(state.rounds)
+        state = jax.block_until_ready(run(state, base + n, k))
+        long, long_rounds = time.perf_counter() - start, int(state.rounds) - base
+        if long_rounds > short_rounds > 0:
+            seconds[k] = max((long - short) / (long_rounds - short_rounds), 1e-6)
+        elif long_rounds > 0:
+            seconds[k] = long / long_rounds
     return state, seconds
+
+
+class RoundClock:
+    """Refines the calibrated costs with the request's own runs of rounds: each run of at least
+    MIN_CLOCKED_ROUNDS rounds of one candidate adds its wall time per round to a running mean per
+    candidate (what a round really costs here, call overhead shared out), which replaces the
+    calibration once it holds as many rounds as the calibration timed."""
+
+    def __init__(self, seconds):
+        self.seconds = np.asarray(seconds, np.float64)
+        self.clocked = np.zeros_like(self.seconds)
+        self.rounds = np.zeros_like(self.seconds)
+
+    def add(self, candidate: int, rounds: int, seconds: float) -> bool:
+        """Record a run; True when the costs changed."""
+        if rounds < MIN_CLOCKED_ROUNDS:
+            return False
+        self.clocked[candidate] += seconds
+        self.rounds[candidate] += rounds
+        if self.rounds[candidate] < MAX_TIMED_ROUNDS:
+            return False
+        self.seconds[candidate] = self.clocked[candidate] / self.rounds[candidate]
+        return True
 
 
 def calibrated(state, run, names: tuple[str, ...], key: str):
@@ -116,8 +147,13 @@ def calibrated(state, run, names: tuple[str, ...], key: str):
             seconds = np.where(np.isnan(seconds), np.nanmax(np.append(seconds, 1.0)), seconds)
         else:
             save_calibration(key, dict(zip(names, seconds.tolist())), folder)
+    return with_round_costs(state, seconds), source
+
+
+def with_round_costs(state, seconds):
+    """The loop state with the policy's seconds per round replaced (a few floats to the device)."""
     policy = state.proposal.policy.replace(seconds_per_round=jnp.asarray(seconds, jnp.float32))
-    return state.replace(proposal=state.proposal.replace(policy=policy)), source
+    return state.replace(proposal=state.proposal.replace(policy=policy))
 
 
 def policy_stats(proposer, policy, source) -> dict:

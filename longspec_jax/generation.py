@@ -36,7 +36,15 @@ from flax import nnx
 
 from longspec_jax import attention
 from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
-from longspec_jax.calibration import calibrated, calibration_key, policy_stats
+from longspec_jax.calibration import (
+    RoundClock,
+    calibrated,
+    calibration_folder,
+    calibration_key,
+    policy_stats,
+    save_calibration,
+    with_round_costs,
+)
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
@@ -284,16 +292,22 @@ class Generator:
                 )
                 state, calibration = calibrated(state, run, proposer.names, key)
             progress = _Progress.read(state)
+            clock = RoundClock(progress.policy.seconds_per_round) if adaptive else None
             while not progress.done.all():
                 candidate, rounds = next_run(progress.policy, chunk) if adaptive else (0, chunk)
+                started, before = time.perf_counter(), progress.rounds
                 state = run(state, progress.rounds + rounds, candidate)
                 progress = _Progress.read(state)
+                if adaptive and clock.add(candidate, progress.rounds - before, time.perf_counter() - started):
+                    state = with_round_costs(state, clock.seconds)
                 if request.stream is not None:
                     request.stream(finish_tokens(progress.out, progress.n_new, request.eos_token_ids))
         except KeyboardInterrupt as interrupt:
             partial = None if progress is None else result(progress, time.perf_counter() - t0)
             raise GenerationInterrupted(partial) from interrupt
         decode_s = time.perf_counter() - t0
+        if adaptive and clock.rounds.any():  # what this request's own runs measured, for the next
+            save_calibration(key, dict(zip(proposer.names, clock.seconds.tolist())), calibration_folder())
 
         profile = {}
         if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy

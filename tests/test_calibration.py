@@ -33,3 +33,37 @@ def test_a_damaged_or_unwritable_store_is_ignored(tmp_path):
     save_calibration(key, {"ar": 0.5}, blocker / "sub")  # cannot create a folder under a file: no error
     assert load_calibration(key, None) == {"ar": 0.5}  # still kept in memory
     forget_calibrations()
+
+
+def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    from longspec_jax.calibration import measure_rounds
+
+    @struct.dataclass
+    class State:
+        rounds: jnp.ndarray
+
+    cost, overhead = [0.002, 0.005], 0.01  # a call costs 5x a round besides its rounds
+
+    def run(state, rounds, candidate):
+        time.sleep(overhead + (rounds - int(state.rounds)) * cost[candidate])
+        return State(jnp.asarray(rounds))
+
+    state, seconds = measure_rounds(State(jnp.asarray(0)), run, 2)
+    np.testing.assert_allclose(seconds, cost, rtol=0.3)
+    assert int(state.rounds) > 4  # the rounds ran are the generation's own
+
+
+def test_round_clock_replaces_the_calibration_with_what_runs_measure():
+    from longspec_jax.calibration import MAX_TIMED_ROUNDS, MIN_CLOCKED_ROUNDS, RoundClock
+
+    clock = RoundClock([3.0, 4.0])
+    assert not clock.add(0, MIN_CLOCKED_ROUNDS - 1, 0.1)  # too short to share out a call's cost
+    assert not clock.add(0, MAX_TIMED_ROUNDS // 2, 0.01 * (MAX_TIMED_ROUNDS // 2))
+    assert clock.add(0, MAX_TIMED_ROUNDS, 0.01 * MAX_TIMED_ROUNDS)
+    assert abs(clock.seconds[0] - 0.01) < 1e-9 and clock.seconds[1] == 4.0
