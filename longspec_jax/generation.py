@@ -12,8 +12,9 @@ buckets, and every length / limit is an array, so one compiled program serves al
 bucket. Compiled programs are cached per process (decode_kit.compiled), keyed by the graph
 definitions and the argument shapes, so a `Generator` (or repeated `generate` calls) compiles once
 per bucket. What recompiles: a new prompt bucket (prefill only), a new output bucket or cache size
-(the loop), another mode or tree, another attention implementation, and turning top-k or top-p
-filtering on or off (each a vocabulary sort). What does not: temperature, greedy <-> sampling,
+(the loop), another mode or tree, another attention implementation, turning top-k or top-p
+filtering on or off (each a vocabulary sort), and in mode "auto" a change between greedy and
+sampling or to a batch of 4 or more (other candidate trees, adaptive.candidate_plan). What does not: temperature, greedy <-> sampling,
 the values of top-k / top-p, seed, max_new_tokens within its bucket, EOS ids (of one count).
 
 The loop runs in chunks of rounds with a host check in between: `stream_every` tokens' worth when
