@@ -91,7 +91,9 @@ class Adaptive:
             src.init(p, model, cache, prompt_tokens, prompt_lengths, first) for src, p in zip(self.sources, params)
         )
         priors = [PRIOR_TOKENS[c.name.split()[0]] for c in self.candidates]
-        return AdaptiveState(sources=sources, policy=init_policy(jnp.ones((len(self.candidates),)), priors))
+        most = [c.depth + 1 for c in self.candidates]
+        policy = init_policy(jnp.ones((len(self.candidates),)), priors, most)
+        return AdaptiveState(sources=sources, policy=policy)
 
     def cache_bytes(self, state: AdaptiveState) -> int:
         return sum(src.cache_bytes(s) for src, s in zip(self.sources, state.sources))

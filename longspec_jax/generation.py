@@ -14,8 +14,9 @@ definitions and the argument shapes, so a `Generator` (or repeated `generate` ca
 per bucket. What recompiles: a new prompt bucket (prefill only), a new output bucket or cache size
 (the loop), another mode or tree, another attention implementation, turning top-k or top-p
 filtering on or off (each a vocabulary sort), and in mode "auto" a change between greedy and
-sampling or to a batch of 4 or more (other candidate trees, adaptive.candidate_plan). What does not: temperature, greedy <-> sampling,
-the values of top-k / top-p, seed, max_new_tokens within its bucket, EOS ids (of one count).
+sampling or to a batch of 4 or more (other candidate trees, adaptive.candidate_plan). What does
+not: temperature (greedy <-> sampling in the fixed modes), the values of top-k / top-p, seed,
+max_new_tokens within its bucket, EOS ids (of one count).
 
 The loop runs in chunks of rounds with a host check in between: `stream_every` tokens' worth when
 streaming, else CHUNK_ROUNDS. Ctrl-C between or during chunks raises `GenerationInterrupted`

@@ -43,6 +43,7 @@ class PolicyState:
 
     seconds_per_round: jax.Array
     tokens_per_round: jax.Array
+    max_tokens: jax.Array
     since_used: jax.Array
     wait: jax.Array
     rounds: jax.Array
@@ -50,16 +51,19 @@ class PolicyState:
     active: jax.Array
 
 
-def init_policy(seconds_per_round, prior_tokens_per_round) -> PolicyState:
-    """seconds_per_round / prior_tokens_per_round: float[K] (entry 0 is AR: its prior is forced to 1).
-    The prior is optimistic on purpose: a candidate gets tried before evidence says otherwise."""
+def init_policy(seconds_per_round, prior_tokens_per_round, max_tokens=None) -> PolicyState:
+    """seconds_per_round / prior_tokens_per_round / max_tokens: float[K] (entry 0 is AR: its prior
+    is forced to 1). The prior is optimistic on purpose: a candidate gets tried before evidence says
+    otherwise. max_tokens: the most a round can keep (tree depth + 1; default: no bound)."""
     cost = jnp.asarray(seconds_per_round, jnp.float32)
     prior = jnp.asarray(prior_tokens_per_round, jnp.float32).at[AR].set(1.0)
     k = cost.shape[0]
     zeros = jnp.zeros((k,), jnp.int32)
+    most = jnp.full((k,), jnp.inf, jnp.float32) if max_tokens is None else jnp.asarray(max_tokens, jnp.float32)
     return PolicyState(
         seconds_per_round=cost,
         tokens_per_round=prior,
+        max_tokens=most,
         since_used=zeros,
         wait=jnp.full((k,), FIRST_WAIT, jnp.int32),
         rounds=zeros,
@@ -75,12 +79,16 @@ def expected_rates(policy: PolicyState) -> jax.Array:
 
 def choose(policy: PolicyState, xp=jnp):
     """The candidate for the next round: the best by expected rate, unless another one has waited
-    its turn for a retry (the one that waited longest past its wait). xp: jnp on the device, numpy
+    its turn for a retry (the one that waited longest past its wait). A candidate that could not
+    beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
+    74-node tree round costs twenty AR steps and can keep six tokens. xp: jnp on the device, numpy
     for a policy read back to the host."""
-    best = xp.argmax(expected_rates(policy))
+    rates = expected_rates(policy)
+    best = xp.argmax(rates)
+    could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     overdue = policy.since_used - policy.wait
     candidates = xp.arange(policy.since_used.shape[0])
-    overdue = xp.where((candidates != best) & (candidates != AR), overdue, -1)
+    overdue = xp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = xp.argmax(overdue)
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
 
@@ -94,7 +102,13 @@ def next_run(policy: PolicyState, most: int) -> tuple[int, int]:
     best = int(np.argmax(expected_rates(policy)))
     if k != best:
         return k, 1
-    due = [int(policy.wait[j] - policy.since_used[j]) for j in range(len(policy.wait)) if j not in (best, AR)]
+    rates = expected_rates(policy)
+    could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
+    due = [
+        int(policy.wait[j] - policy.since_used[j])
+        for j in range(len(policy.wait))
+        if j not in (best, AR) and could_win[j]
+    ]
     return k, int(min([most, max(1, int(policy.rounds[k])), *(max(1, d) for d in due)]))
 
 

@@ -75,3 +75,14 @@ def test_wait_resets_when_a_candidate_becomes_best():
     assert int(choose(policy)) == AR
     policy = record(policy, jnp.int32(AR), jnp.int32(1), jnp.int32(1))
     assert int(policy.wait[1]) == FIRST_WAIT and int(policy.since_used[1]) == 1
+
+
+def test_a_candidate_that_cannot_win_even_when_always_right_is_never_retried():
+    # A CPU: the tree's round costs 20 AR steps and keeps at most 6 tokens.
+    tokens = np.tile([1, 6], (400, 1)).astype(np.int32)
+    policy = init_policy([1.0, 20.0], [1.0, 3.0], [1, 6])
+    _, chosen = simulate(policy, tokens)
+    assert (np.asarray(chosen) == AR).all()
+    # With a bound that lets it win, the same tree is tried and kept.
+    _, chosen = simulate(init_policy([1.0, 2.0], [1.0, 1.0], [1, 6]), tokens)
+    assert (np.asarray(chosen)[20:] == 1).all()
