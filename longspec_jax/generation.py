@@ -80,7 +80,7 @@ MODES = ("longspec", "ar", "pld")
 # given or shipped for the target (the embedded SmolLM2 has one), else ar.
 AUTO_MODE = "auto"
 DEFAULT_MODE = AUTO_MODE
-# Rounds per device call when not streaming. Between calls the host checks whether every sequence
+# Rounds per run of the loop when not streaming. Between runs the host checks whether every sequence
 # is done (one sync, well under a millisecond); a round takes a millisecond or more, so the check
 # costs under 1 % of decoding, and Ctrl-C waits at most this many rounds.
 CHUNK_ROUNDS = 128
