@@ -44,7 +44,7 @@ from longspec_jax.errors import UserError
 from train.corpus_documents import Document, Source, split_of
 
 DEBIAN_DOCS_DIR = Path("/usr/share/doc/python3-doc/html/_sources")
-SHARD_MB = 16  # small enough that a shard travels to the GPU machine on its own
+SHARD_MB = 16  # shards small enough to copy and to read one at a time
 SEED = 0
 PSF_LICENSE = "PSF-2.0"
 DOCS_LICENSE = "PSF-2.0 (code examples also 0BSD)"
