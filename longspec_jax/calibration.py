@@ -83,24 +83,24 @@ def calibration_folder() -> Path | None:
         return None
 
 
-def measure_rounds(state, run, candidates: int):
+def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
     """Seconds per round of each candidate, timed on the generation's own rounds -> (state after
     them, float seconds[K], NaN where the request ended first). run(state, rounds, candidate) runs
     a candidate's loop until `rounds` rounds in total. Each candidate runs one round to warm up,
     then WARM_ROUNDS and WARM_ROUNDS + n rounds: the difference of the two timings over n cancels
     what a call costs besides its rounds (launch, the host's wait), which would otherwise make short
-    runs look slow."""
+    runs look slow. `clock` reads seconds (tests pass a simulated one)."""
     seconds = np.full((candidates,), np.nan)
     for k in range(candidates):
         state = jax.block_until_ready(run(state, int(state.rounds) + 1, k))
-        start, base = time.perf_counter(), int(state.rounds)
+        start, base = clock(), int(state.rounds)
         state = jax.block_until_ready(run(state, base + WARM_ROUNDS, k))
-        short, short_rounds = time.perf_counter() - start, int(state.rounds) - base
+        short, short_rounds = clock() - start, int(state.rounds) - base
         per_round = short / max(short_rounds, 1)
         n = int(np.clip(TIMED_SECONDS / max(per_round, 1e-6), WARM_ROUNDS + 4, MAX_TIMED_ROUNDS))
-        start, base = time.perf_counter(), int(state.rounds)
+        start, base = clock(), int(state.rounds)
         state = jax.block_until_ready(run(state, base + n, k))
-        long, long_rounds = time.perf_counter() - start, int(state.rounds) - base
+        long, long_rounds = clock() - start, int(state.rounds) - base
         if long_rounds > short_rounds > 0:
             seconds[k] = max((long - short) / (long_rounds - short_rounds), 1e-6)
         elif long_rounds > 0:

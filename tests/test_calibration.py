@@ -36,8 +36,6 @@ def test_a_damaged_or_unwritable_store_is_ignored(tmp_path):
 
 
 def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
-    import time
-
     import jax.numpy as jnp
     import numpy as np
     from flax import struct
@@ -49,13 +47,16 @@ def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
         rounds: jnp.ndarray
 
     cost, overhead = [0.002, 0.005], 0.01  # a call costs 5x a round besides its rounds
+    now = [0.0]  # a simulated clock: the test does not depend on how busy the machine is
 
     def run(state, rounds, candidate):
-        time.sleep(overhead + (rounds - int(state.rounds)) * cost[candidate])
+        now[0] += overhead + (rounds - int(state.rounds)) * cost[candidate]
         return State(jnp.asarray(rounds))
 
-    state, seconds = measure_rounds(State(jnp.asarray(0)), run, 2)
-    np.testing.assert_allclose(seconds, cost, rtol=0.3)
+    state, seconds = measure_rounds(State(jnp.asarray(0)), run, 2, clock=lambda: now[0])
+    np.testing.assert_allclose(seconds, cost, rtol=1e-9)
+    one_call_per_run = (overhead + 2 * cost[0]) / 2  # what timing a single short run would have said
+    assert one_call_per_run > 2 * cost[0]
     assert int(state.rounds) > 4  # the rounds ran are the generation's own
 
 
