@@ -1,0 +1,127 @@
+"""Kernels per AR step and per LongSpec round as XLA compiles them for an H200, on any machine.
+
+XLA can compile for a GPU it does not have: given a description of the chip (benchmarks/h200.txtpb:
+compute capability, SM count, memory sizes), the CUDA plugin's compiler runs its whole pipeline
+(fusion, Triton for the Pallas kernels, scheduling) and returns the optimised program, which is all a
+kernel count needs. This script builds the decode loop exactly as `Generator` does (the packed
+inference layout, the requested attention implementation), compiles each loop for that description
+and counts the kernels one iteration of its while body launches (`decode_kernels.loop_body_kernels`).
+Times still need the GPU: `benchmarks/decode_kernels.py` measures them there, with the same count.
+
+Needs the CUDA plugin wheels of the installed jax (no GPU, no driver):
+
+    pip install "jax-cuda13-plugin==$(python -c 'import jax; print(jax.__version__)')" \\
+                "jax-cuda13-pjrt==$(python -c 'import jax; print(jax.__version__)')"
+    JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --hlo-out /tmp/hlo
+
+SmolLM2-135M's shape with random weights by default (a program's kernels do not depend on the
+weights); a 4,500-token prompt and 256 new tokens size the cache as `Generator` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from benchmarks.decode_kernels import loop_body_kernels
+from longspec_jax.decode_kit import StopRule, plan_lengths
+from longspec_jax.decode_loop import LoopConfig, decode, start
+from longspec_jax.draft_io import init_draft
+from longspec_jax.model import init_cache
+from longspec_jax.model_shapes import MODEL_SHAPES
+from longspec_jax.proposers import proposer_for
+from longspec_jax.sampling import SamplingParams
+from longspec_jax.target import random_target
+from pallas_kernels import flash_block
+
+TARGET_DESCRIPTION = Path(__file__).resolve().parent / "h200.txtpb"
+
+
+def gpu_device(description: Path = TARGET_DESCRIPTION):
+    """A compile-only CUDA device for the chip `description` describes."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            "h200", platform="cuda", target_config=description.read_text(), topology="1x1x1"
+        )
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        raise SystemExit(
+            f"cannot compile for a GPU here ({err}); install the CUDA plugin wheels of jax "
+            f"{jax.__version__}: pip install jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__}"
+        ) from err
+    return topology.devices[0]
+
+
+def _on(device, tree):
+    """Every array leaf of `tree` as a ShapeDtypeStruct placed on `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def loop_program(target, draft, mode: str, prompt_tokens: int, new_tokens: int, attn_impl: str, device, widths=None):
+    """The optimised HLO text of the decode loop `Generator` would run for one prompt, compiled for
+    `device` (a compile-only GPU from `gpu_device`, or any attached device)."""
+    proposer, proposer_params = proposer_for(mode, target, draft, widths)
+    model = target.decode_model()
+    graphdef, params = nnx.split(model)
+    slack = sum(proposer.widths)
+    prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)
+    config = LoopConfig(graphdef, proposer, new_bucket, attn_impl)
+    sampling = SamplingParams.create(0.0)
+    stop = StopRule.create(target.config.eos_token_ids, new_tokens)
+    cache = jax.eval_shape(lambda: init_cache(target.config, 1, cache_rows, model.dtype))
+    start_args = (
+        params,
+        proposer_params,
+        cache,
+        jax.ShapeDtypeStruct((1, prompt_bucket), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, target.config.vocab_size), jnp.float32),
+        sampling,
+        jax.random.key(0),
+        stop,
+    )
+    state = jax.eval_shape(functools.partial(start, config=config), *start_args)
+    args = (params, proposer_params, state, jnp.asarray(0, jnp.int32), sampling)
+    # The Pallas kernels run in the interpreter off GPU; compiled for a GPU they must be Triton, and
+    # Pallas reads the chip's kind from the default device.
+    on_gpu = device.platform != "cpu"
+    with mock.patch.object(flash_block, "default_interpret", lambda: not on_gpu), jax.default_device(device):
+        lowered = decode.lower(*_on(device, args), config=config)
+    return lowered.compile().as_text()
+
+
+def main(argv=None) -> dict[str, int]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=4500)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), default="pallas")
+    parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec")
+    parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
+    args = parser.parse_args(argv)
+
+    device = gpu_device()
+    target = random_target(MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
+    draft = init_draft(target, seed=1).cast(jnp.bfloat16)
+    print(f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, attention {args.attn_impl}")
+    counts = {}
+    for mode in args.modes.split(","):
+        text = loop_program(target, draft, mode, args.prompt_tokens, args.new_tokens, args.attn_impl, device)
+        counts[mode] = loop_body_kernels(text)
+        print(f"{mode}: {counts[mode]} kernels per loop iteration")
+        if args.hlo_out is not None:
+            args.hlo_out.mkdir(parents=True, exist_ok=True)
+            (args.hlo_out / f"{mode}.hlo.txt").write_text(text)
+    return counts
+
+
+if __name__ == "__main__":
+    main()

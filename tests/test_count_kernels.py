@@ -1,0 +1,31 @@
+"""benchmarks/count_kernels.py builds the decode loop as Generator does and counts its kernels; on
+the CPU it compiles for the CPU (the GPU description needs the CUDA plugin wheels)."""
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import count_kernels
+from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels
+from longspec_jax.draft import DraftConfig
+from longspec_jax.draft_io import init_draft
+from longspec_jax.target import random_target
+
+
+def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than_a_step():
+    target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
+    draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
+    cpu = jax.devices("cpu")[0]
+    counts = {}
+    for mode in ("ar", "longspec"):
+        text = count_kernels.loop_program(
+            target, draft, mode, 40, 8, "xla", cpu, widths=(2, 2) if mode != "ar" else None
+        )
+        assert " while(" in text
+        counts[mode] = loop_body_kernels(text)
+    assert 0 < counts["ar"] < counts["longspec"]
+
+
+def test_the_h200_description_names_a_hopper_chip():
+    text = count_kernels.TARGET_DESCRIPTION.read_text()
+    assert 'device_description_str: "NVIDIA H200"' in text
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in text and "core_count: 132" in text
