@@ -57,11 +57,11 @@ def _hybrid_kernel(
 
     def fold_new_tile(i, state):
         key0 = i * new_block_keys
-        key_ok = key0 + jnp.arange(new_block_keys) < num_new
+        keys = key0 + jnp.arange(new_block_keys)
+        key_ok = keys < num_new
         k = fb.load_rows(k_new_ref, key0, new_block_keys, key_ok)
         v = fb.load_rows(v_new_ref, key0, new_block_keys, key_ok)
         # The mask row of query t serves all G rows of t (mask_ref [T, N] int8).
-        keys = key0 + jnp.arange(new_block_keys)
         allowed = plgpu.load(
             mask_ref.at[query[:, None], keys[None, :]], mask=row_ok[:, None] & key_ok[None, :], other=0
         )
