@@ -1,9 +1,12 @@
 """GPU benchmark of verify attention: checks correctness on the GPU first, then times
 
-  (a) xla_dense:     XLA dense masked attention over the concatenated keys (the "HF eager" analogue)
-  (b) cudnn_masked:  cuDNN with an explicit mask over the concatenated keys
-  (c) hybrid_cudnn:  cuDNN cache path + Pallas masked kernel + LSE merge
-  (d) hybrid_pallas: Pallas split-K cache path + Pallas masked kernel + LSE merge
+  (a) xla_dense:           XLA dense masked attention over the concatenated keys (the "HF eager" analogue)
+  (b) cudnn_masked:        cuDNN with an explicit mask over the concatenated keys
+  (c) hybrid_cudnn:        cuDNN cache path + Pallas masked kernel + LSE merge
+  (d) hybrid_pallas:       the fused Pallas kernel (split-K over the cache, the new keys one more
+                           split) + the Pallas combine: two kernels
+  (e) hybrid_pallas_parts: Pallas split-K cache path + Pallas masked kernel + LSE merge (what (d)
+                           replaced)
 
 at 7B shapes (Hq = 32, D = 128, bf16), against the floor max(K/V bytes read once / copy bandwidth,
 FLOPs / matmul rate), both ceilings measured in the same run. The new tokens' K/V sit right after
@@ -34,6 +37,7 @@ import numpy as np
 
 from longspec_jax import attention
 from pallas_kernels import cache_attention as pallas_cache
+from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from pallas_kernels.tree_attention import masked_attention
 
@@ -47,7 +51,8 @@ CYCLE_BYTES = 256 << 20
 # (B, T, Hkv, S, cache lengths) checked against float64 before any timing: lengths off the tile
 # grid, an empty sequence, T = 1.
 CHECK_SHAPES = [(2, 74, 8, 4133, [4133, 1234]), (3, 128, 32, 1100, [0, 1100, 77]), (1, 1, 8, 2048, [2048])]
-METHODS = ("xla_dense", "cudnn_masked", "hybrid_cudnn", "hybrid_pallas")
+METHODS = ("xla_dense", "cudnn_masked", "hybrid_cudnn", "hybrid_pallas", "hybrid_pallas_parts")
+HYBRIDS = ("hybrid_cudnn", "hybrid_pallas", "hybrid_pallas_parts")
 # Split-K configurations tried by --tune (block_rows, block_keys, num_warps, num_stages, num_splits).
 TUNE_CONFIGS = [
     dict(block_rows=128, block_keys=64, num_warps=8, num_stages=3),
@@ -130,6 +135,11 @@ def hybrid(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, *, impl):
 
 def hybrid_pallas_config(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, *, config):
     """(d) with an explicit split-K configuration (what --tune compares)."""
+    return pallas_hybrid.hybrid_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, **config)
+
+
+def hybrid_pallas_parts(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, *, config):
+    """(e): the cache kernel with the same split-K configuration, the masked kernel, the XLA merge."""
     o_c, lse_c = pallas_cache.cache_attention(q, k_cache, v_cache, cache_len, **config)
     o_s, lse_s = masked_attention(q, k_new, v_new, tree_mask)
     return attention.merge_attention(o_c, lse_c, o_s, lse_s)
@@ -191,6 +201,7 @@ def check_correctness(best_config) -> bool:
             "hybrid_cudnn": (functools.partial(hybrid, impl="cudnn"), hyb, False),
             "hybrid_pallas": (functools.partial(hybrid, impl="pallas"), hyb, False),
             "hybrid_pallas_tuned": (functools.partial(hybrid_pallas_config, config=best_config), hyb, False),
+            "hybrid_pallas_parts": (functools.partial(hybrid_pallas_parts, config=best_config), hyb, False),
             "cache_pallas": (functools.partial(attention.cache_attention, impl="pallas"), hyb[:4], True),
             "cache_cudnn": (functools.partial(attention.cache_attention, impl="cudnn"), hyb[:4], True),
             "masked_pallas": (masked_attention, (hyb[0], hyb[4], hyb[5], hyb[6]), True),
@@ -278,6 +289,7 @@ def bench_shape(b, t, hkv, s, bandwidth, flops_rate, configs, breakdown=False):
         "cudnn_masked": (jax.jit(cudnn_masked), dense_sets),
         "hybrid_cudnn": (jax.jit(functools.partial(hybrid, impl="cudnn")), hyb_sets),
         "hybrid_pallas": (jax.jit(functools.partial(hybrid_pallas_config, config=configs[b, hkv])), hyb_sets),
+        "hybrid_pallas_parts": (jax.jit(functools.partial(hybrid_pallas_parts, config=configs[b, hkv])), hyb_sets),
     }
     if breakdown:
         fns["part_cache_cudnn"] = (
@@ -317,7 +329,7 @@ def format_table(rows):
         cells = [
             f"{tm[m] * 1e3:.3f}" if tm.get(m) else ("-" if m not in tm else "fail") for m in METHODS + tuple(extra)
         ]
-        hybrids = [tm[m] for m in ("hybrid_cudnn", "hybrid_pallas") if tm.get(m)]
+        hybrids = [tm[m] for m in HYBRIDS if tm.get(m)]
         best = min(hybrids) if hybrids else None
         ratio = f"{best / tm['floor']:.2f}x" if best else "-"
         speed = f"{tm['xla_dense'] / best:.2f}x" if best and tm.get("xla_dense") else "-"
@@ -336,7 +348,7 @@ def target_verdicts(rows):
         if r["t"] != 74 or r["s"] != 32768:
             continue
         tm = r["times"]
-        hybrids = {m: tm[m] for m in ("hybrid_cudnn", "hybrid_pallas") if tm.get(m)}
+        hybrids = {m: tm[m] for m in HYBRIDS if tm.get(m)}
         if not hybrids:
             out.append(f"B={r['b']} Hkv={r['hkv']}: no hybrid ran")
             continue

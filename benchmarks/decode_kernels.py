@@ -11,7 +11,7 @@ On the CPU with a tiny random model (a smoke run: the table's rows, no meaningfu
 
 Variants (the same weights):
 - before: the loaded layout (separate q/k/v and gate/up matrices) and one-token steps through the
-  general block path (cache attention + masked block attention + LSE merge);
+  general block path (`hybrid_tree_attention`: the cache plus the new key under a 1 x 1 mask);
 - after: `Transformer.inference_layout()` (packed q/k/v and gate/up) and the one-token path (the
   new K/V row written, then one attention over the cache).
 

@@ -13,11 +13,12 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
   fixed-size ring of keys under a boolean mask (dense XLA: the ring holds at most a window of
   keys, nothing a flash kernel could skip).
 
-The hybrid splits the keys (docs/ALGORITHM.md 6): `cache_attention` over the cache (cuDNN flash, a Pallas
-split-K kernel, or XLA) and the Pallas `masked_attention` over the new keys each return (o, lse);
-`merge_attention` combines them exactly. impl "xla" does both sides as dense XLA attention (the CPU
-default); the kernels are tested against float64 references of one attention over the
-concatenated keys.
+The hybrid splits the keys (docs/ALGORITHM.md 6): attention over the cache and over the new keys
+each give (o, lse), combined exactly. impl "pallas" does it all in the fused Pallas kernel (the new
+keys are one more split of its split-K grid) and a Pallas combine; "cudnn" runs cuDNN flash over the
+cache and the Pallas `masked_attention` over the new keys, then `merge_attention`; "xla" does both
+sides as dense XLA attention (the CPU default). The kernels are tested against float64 references of
+one attention over the concatenated keys.
 
 Layouts: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; query head h reads KV head h // (Hq // Hkv)
 (HF's repeat_kv grouping). Softmax in float32; outputs in q.dtype; lse float32 [B, Hq, T].
@@ -33,6 +34,7 @@ import numpy as np
 
 from longspec_jax.errors import UserError
 from pallas_kernels import cache_attention as pallas_cache
+from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels import tree_attention as pallas_tree
 
 __all__ = [
@@ -251,13 +253,26 @@ def hybrid_tree_attention(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mas
     """q [B,T,Hq,D] against cache keys [0, cache_len[b]) of k_cache/v_cache [B,S,Hkv,D] (no mask)
     plus new keys k_new/v_new [B,T',Hkv,D] under tree_mask bool[B,T,T']. Returns o [B,T,Hq,D].
 
-    "cudnn" and "pallas" name the cache path; both take the new keys through the Pallas masked
-    kernel and merge by LSE.
+    "pallas": the fused Pallas kernel (split-K over the cache with the new keys as one more split,
+    then a Pallas combine: two kernels). "cudnn": cuDNN over the cache, the Pallas masked kernel
+    over the new keys, merged by LSE.
     """
     _check_impl(impl, "hybrid_tree_attention")
     if impl == "xla":
         return _hybrid_xla(q, k_cache, v_cache, cache_len, k_new, v_new, tree_mask, scale)
-    o_c, lse_c = cache_attention(q, k_cache, v_cache, cache_len, impl=impl, scale=scale)
+    if impl == "pallas":
+        return _kernel(
+            pallas_hybrid.hybrid_attention,
+            q,
+            k_cache,
+            v_cache,
+            cache_len,
+            k_new.astype(k_cache.dtype),
+            v_new.astype(v_cache.dtype),
+            tree_mask,
+            scale=scale,
+        )
+    o_c, lse_c = cache_attention(q, k_cache, v_cache, cache_len, impl="cudnn", scale=scale)
     o_s, lse_s = masked_attention(q, k_new.astype(q.dtype), v_new.astype(q.dtype), tree_mask, scale=scale)
     return merge_attention(o_c, lse_c, o_s, lse_s).astype(q.dtype)
 

@@ -3,8 +3,8 @@
 Verification reads a cache of tens of thousands of keys with only T (<= 128) queries per head, so a
 grid over query blocks alone would leave most of the GPU idle. Instead each program takes one
 (batch, KV head, row block) and one of num_splits contiguous slices of that sequence's valid keys,
-and writes a partial (o, lse); a short XLA combine merges the slices. Each program holds all GQA
-heads of its KV head (flash_block), so a K/V tile is loaded once for the whole group.
+and writes a partial (o, lse); one more kernel (split_combine) merges the slices. Each program holds
+all GQA heads of its KV head (flash_block), so a K/V tile is loaded once for the whole group.
 
 Slices are cut from the true length cache_len[b] (not the cache capacity), so a short sequence in a
 big cache still spreads over every split; splits past the end run zero iterations and write
@@ -22,23 +22,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import flash_block as fb
+from pallas_kernels.split_combine import combine_splits
 
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
 
 
-def _split_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_rows, block_keys, num_rows, num_splits):
-    """One row block of one (batch, KV head) against one slice of that sequence's cache."""
-    row0 = pl.program_id(2) * block_rows
-    row_ok = row0 + jnp.arange(block_rows) < num_rows
-    q = fb.load_rows(q_ref, row0, block_rows, row_ok)
+def fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits: int, block_keys: int, scale: float):
+    """Folds slice `split` of num_splits of the keys [0, length) of k_ref, v_ref [S, D] into state.
 
-    length = len_ref[()]
+    Slices are whole key tiles, cut from the true length; a split past the last tile (split >=
+    num_splits included) folds nothing."""
     # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
     num_tiles = lax.div(length + block_keys - 1, block_keys)
     tiles_per_split = lax.div(num_tiles + num_splits - 1, num_splits)
-    first = pl.program_id(3) * tiles_per_split
+    first = split * tiles_per_split
     last = jnp.minimum(first + tiles_per_split, num_tiles)
 
     def fold_key_tile(i, state):
@@ -48,22 +47,18 @@ def _split_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_
         v = fb.load_rows(v_ref, key0, block_keys, key_ok)
         return fb.online_softmax_step(state, q, k, v, key_ok[None, :], scale)
 
-    state = lax.fori_loop(first, last, fold_key_tile, fb.empty_state(block_rows, q.shape[-1]))
-    o, lse = fb.finish_state(state)
-    plgpu.store(o_ref.at[pl.ds(row0, block_rows), :], o, mask=row_ok[:, None])
-    plgpu.store(lse_ref.at[pl.ds(row0, block_rows)], lse, mask=row_ok)
+    return lax.fori_loop(first, last, fold_key_tile, state)
 
 
-def combine_splits(o_parts, lse_parts):
-    """Merge partials o [..., P, R, D] (each normalised over its slice) and lse [..., P, R] over P."""
-    top = jnp.max(lse_parts, axis=-2, keepdims=True)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    weight = jnp.exp(lse_parts - top)  # 0 for empty slices
-    total = jnp.sum(weight, axis=-2)
-    seen = total > 0.0
-    o = jnp.sum(o_parts * weight[..., None], axis=-3) / jnp.where(seen, total, 1.0)[..., None]
-    lse = jnp.where(seen, top[..., 0, :] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    return o, lse
+def _split_kernel(
+    len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_rows, block_keys, group, num_rows, num_splits
+):
+    """One row block of one (batch, KV head) against one slice of that sequence's cache."""
+    row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
+    q = fb.load_query_rows(q_ref, query, head, row_ok)
+    state = fb.empty_state(block_rows, q.shape[-1])
+    state = fold_cache_split(state, q, k_ref, v_ref, len_ref[()], pl.program_id(3), num_splits, block_keys, scale)
+    fb.store_partial(o_ref, lse_ref, row0, row_ok, state)
 
 
 def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) -> int:
@@ -72,45 +67,78 @@ def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) 
     return max(1, min(want, capacity // (4 * block_keys)))
 
 
+def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits):
+    """(group, rows, block_rows, row blocks, num_splits) of a split-K grid over q [B,T,Hq,D] and a
+    cache [B,S,Hkv,D]; num_splits=None picks it from the grid size."""
+    b, t, hq, _ = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    rows = t * group
+    block_rows = fb.block_size(rows, block_rows)
+    row_blocks = pl.cdiv(rows, block_rows)
+    if num_splits is None:
+        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys)
+    return group, rows, block_rows, row_blocks, num_splits
+
+
+def split_specs(q, k_cache, num_parts: int, rows: int):
+    """BlockSpecs and shapes shared by the split-K kernels: inputs (cache_len, q, k_cache, v_cache)
+    and outputs (partials o [B,Hkv,P,rows,D] float32, lse [B,Hkv,P,rows]), grid (B, Hkv, row
+    blocks, P)."""
+    b, t, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    in_specs = [
+        pl.BlockSpec((None,), lambda i, h, r, j: (i,)),
+        pl.BlockSpec((None, t, hq, d), lambda i, h, r, j: (i, 0, 0, 0)),
+        pl.BlockSpec((None, s, None, d), lambda i, h, r, j: (i, 0, h, 0)),
+        pl.BlockSpec((None, s, None, d), lambda i, h, r, j: (i, 0, h, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, d), lambda i, h, r, j: (i, h, j, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda i, h, r, j: (i, h, j, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hkv, num_parts, rows, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, num_parts, rows), jnp.float32),
+    ]
+    return in_specs, out_specs, out_shape
+
+
+def valid_lengths(cache_len, k_cache):
+    """cache_len as int32, capped at the cache capacity."""
+    return jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys", "num_splits", "num_warps", "num_stages")
 )
 def _cache_attention(
     q, k_cache, v_cache, cache_len, *, scale, interpret, block_rows, block_keys, num_splits, num_warps, num_stages
 ):
-    b, t, hq, d = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
-    rows = t * (hq // hkv)
-    block_rows = fb.block_size(rows, block_rows)
-    row_blocks = pl.cdiv(rows, block_rows)
-    if num_splits is None:
-        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys)
+    b, t = q.shape[:2]
+    hkv = k_cache.shape[2]
+    group, rows, block_rows, row_blocks, num_splits = split_grid(q, k_cache, block_rows, block_keys, num_splits)
     kernel = functools.partial(
-        _split_kernel, scale=scale, block_rows=block_rows, block_keys=block_keys, num_rows=rows, num_splits=num_splits
+        _split_kernel,
+        scale=scale,
+        block_rows=block_rows,
+        block_keys=block_keys,
+        group=group,
+        num_rows=rows,
+        num_splits=num_splits,
     )
+    in_specs, out_specs, out_shape = split_specs(q, k_cache, num_splits, rows)
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits),
-        in_specs=[
-            pl.BlockSpec((None,), lambda i, h, r, j: (i,)),
-            pl.BlockSpec((None, None, rows, d), lambda i, h, r, j: (i, h, 0, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, h, r, j: (i, 0, h, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, h, r, j: (i, 0, h, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda i, h, r, j: (i, h, j, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, h, r, j: (i, h, j, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, num_splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, num_splits, rows), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="cache_split_k_attn",
-    )(jnp.minimum(cache_len.astype(jnp.int32), s), fb.group_query_rows(q, hkv), k_cache, v_cache)
-    o_rows, lse_rows = combine_splits(o_parts, lse_parts)
-    return fb.ungroup_output(o_rows.astype(q.dtype), t), fb.ungroup_lse(lse_rows, t)
+    )(valid_lengths(cache_len, k_cache), q, k_cache, v_cache)
+    return combine_splits(o_parts, lse_parts, num_queries=t, out_dtype=q.dtype, with_lse=True, interpret=interpret)
 
 
 def cache_attention(

@@ -1,9 +1,10 @@
 """Pieces shared by the Pallas attention kernels: query-row grouping and the online-softmax step.
 
-Both kernels give one program all query heads that share a KV head, so each K/V tile is loaded once
-for the whole group. To make that a plain 2-D tile, queries are regrouped outside the kernel from
-q [B, T, Hq, D] into rows [B, Hkv, T * G, D] (G = Hq // Hkv, row t * G + g is query t of head
-h * G + g), matching HF's repeat_kv grouping (query head h reads KV head h // G).
+The kernels give one program all query heads that share a KV head, so each K/V tile is loaded once
+for the whole group. That makes a plain 2-D tile of rows: row t * G + g of KV head h is query t of
+head h * G + g (G = Hq // Hkv), matching HF's repeat_kv grouping (query head h reads KV head h // G).
+The split-K kernels read those rows straight from q [B, T, Hq, D] (query_rows); the masked kernel
+takes them regrouped outside into [B, Hkv, T * G, D] (group_query_rows).
 
 The online softmax (FlashAttention-2) keeps per row a running max m, a running sum l of 2^(s - m)
 and an unnormalised output acc. Rows that have seen no visible key keep m = -inf; the step below
@@ -16,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -78,6 +80,38 @@ def ungroup_lse(lse_rows: jnp.ndarray, num_queries: int) -> jnp.ndarray:
     return lse_rows.reshape(b, hkv, num_queries, g).transpose(0, 1, 3, 2).reshape(b, hkv * g, num_queries)
 
 
+def query_rows(block_rows: int, num_rows: int, group: int):
+    """This program's block of query rows, for kernels whose grid is (B, Hkv, row blocks, ...).
+
+    Returns (row0, row_ok bool [R], query int32 [R], head int32 [R]): row r of KV head h is query
+    r // G of query head h * G + r % G, the order of group_query_rows. Reading q and writing o at
+    (query, head) in their [T, Hq, D] layout spares the transposes group_query_rows and
+    ungroup_output would cost as separate XLA kernels. Rows past num_rows have query >= T: always
+    masked, never stored.
+    """
+    row0 = pl.program_id(2) * block_rows
+    rows = row0 + jnp.arange(block_rows)
+    query = lax.div(rows, group)
+    head = pl.program_id(1) * group + lax.rem(rows, group)
+    return row0, rows < num_rows, query, head
+
+
+def _at_query_rows(ref, query, head):
+    """ref [T, Hq, D] indexed at rows (query, head) -> a [R, D] view. Every index is an array (no
+    slice): the Pallas interpreter gathers and scatters only such indexers."""
+    return ref.at[query[:, None], head[:, None], jnp.arange(ref.shape[-1])[None, :]]
+
+
+def load_query_rows(q_ref, query, head, row_ok):
+    """The [R, D] tile of q_ref [T, Hq, D] at rows (query, head); rows not ok read as 0."""
+    return plgpu.load(_at_query_rows(q_ref, query, head), mask=row_ok[:, None], other=0.0)
+
+
+def store_query_rows(o_ref, query, head, row_ok, o):
+    """Writes o [R, D] to o_ref [T, Hq, D] at rows (query, head), rows that are ok only."""
+    plgpu.store(_at_query_rows(o_ref, query, head), o.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
 def load_rows(ref, start, size: int, valid_rows):
     """A [size, D] tile of rows [start, start + size); rows outside valid_rows read as 0 (never NaN)."""
     return plgpu.load(ref.at[pl.ds(start, size), :], mask=valid_rows[:, None], other=0.0)
@@ -119,3 +153,12 @@ def finish_state(state):
     o = acc / jnp.where(seen, l, 1.0)[:, None]
     lse = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN_2, -jnp.inf)
     return o, lse
+
+
+def store_partial(o_ref, lse_ref, row0, row_ok, state) -> None:
+    """Finishes state and writes it as this program's partial: o float32 [R, D] at rows
+    [row0, row0 + R) of o_ref [rows, D], lse at the same rows of lse_ref [rows]."""
+    o, lse = finish_state(state)
+    size = row_ok.shape[0]
+    plgpu.store(o_ref.at[pl.ds(row0, size), :], o, mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[pl.ds(row0, size)], lse, mask=row_ok)
