@@ -5,12 +5,14 @@ A round, for every sequence of the batch at once (docs/ALGORITHM.md 5):
      root, not in the target cache yet). AR's proposer proposes nothing: the tree of the root
      alone, so an AR round is one decode step;
   2. verify: one target `forward_block` over the N tree nodes at positions root position + depth
-     under the tree mask (hybrid tree attention), writing their K/V after the cache end;
+     under the tree mask (hybrid tree attention: the cache plus the nodes' own K/V), which returns
+     the nodes' K/V and leaves the cache as it is (a root-only tree writes its row: AR decoding);
   3. accept: the target's pick at every node (`sampling.pick_token`: argmax when greedy, an exact
      sample otherwise; one program for both), then the walk down the tree (acceptance.py), cut at
      the first EOS / at max_new_tokens;
-  4. commit: the root and the kept nodes move into place at the cache end (model.commit); the last
-     kept token is the next root; the proposer is told what was kept.
+  4. commit: the K/V of the root and the kept nodes are written in path order at the cache end,
+     straight from the verified nodes' K/V (model.commit); the last kept token is the next root;
+     the proposer is told what was kept.
 Finished sequences still ride along through the forwards (static shapes) but keep nothing.
 
 `LoopConfig` holds the static settings (one compiled program per distinct value), `LoopState` the
@@ -30,7 +32,7 @@ from flax import nnx, struct
 from longspec_jax.acceptance import Acceptance, accept
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
-from longspec_jax.model import KVCache, Transformer, commit
+from longspec_jax.model import BlockKV, KVCache, Transformer, commit
 from longspec_jax.policy import record
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
@@ -83,7 +85,8 @@ def propose(config: LoopConfig, proposer_params, model: Transformer, state: Loop
 
 
 def verify(config: LoopConfig, model: Transformer, tree: Tree, cache: KVCache):
-    """-> (target logits float32[B, N, V] at every node, cache with the tree's K/V after its end)."""
+    """-> (target logits float32[B, N, V] at every node, the cache, the nodes' BlockKV). The cache
+    is unchanged but for a root-only tree, whose row it holds after its end (`forward_block`)."""
     positions = cache.lengths[:, None] + jnp.asarray(node_depths(tree.widths))[None, :]
     return model.forward_block(tree.tokens, positions, tree.mask, cache, attn_impl=config.attn_impl)
 
@@ -108,12 +111,13 @@ def accept_and_commit(
     tree: Tree,
     logits,
     cache: KVCache,
+    block: BlockKV,
     proposal,
     sampling: SamplingParams,
     *,
     update_proposal=None,
 ) -> LoopState:
-    """Steps 3 and 4 of a round, from the verified tree (cache: the one verify returned).
+    """Steps 3 and 4 of a round, from the verified tree (cache, block: what verify returned).
     update_proposal(emitted, n_keep, positions) -> the proposer state after the round (default:
     the loop's proposer accepts `proposal`)."""
     depth = tree.depth
@@ -121,12 +125,11 @@ def accept_and_commit(
     acc = accept(tree, picks)
     n_keep, ends = _keep(acc, state, depth)
     # The root and the nodes of all kept tokens but the last (the next root) join the cache. A
-    # path starts at the root, whose K/V verify already wrote at the cache end: a root-only tree
-    # (AR) moves nothing, and skipping the identity move saves a gather and a write per cache array.
+    # root-only tree (AR) had verify write its row at the cache end: keeping it takes no write.
     if tree.tokens.shape[1] == 1:
         cache = cache.replace(lengths=cache.lengths + n_keep)
     else:
-        cache = commit(cache, acc.path, n_keep)
+        cache = commit(cache, block, acc.path, n_keep)
     if config.depth == 0:
         # One token per round: every live sequence holds rounds + 1 tokens, so one column takes
         # them all (a plain slice update, cheaper than a per-row scatter in the AR step).
@@ -170,8 +173,8 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         policy = record(state.proposal.policy, jnp.int32(config.candidate), kept, active)
         return state.proposal.replace(sources=accepted, policy=policy)
 
-    logits, cache = verify(config, model, tree, state.cache)
-    return accept_and_commit(config, state, tree, logits, cache, None, sampling, update_proposal=update)
+    logits, cache, block = verify(config, model, tree, state.cache)
+    return accept_and_commit(config, state, tree, logits, cache, block, None, sampling, update_proposal=update)
 
 
 def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams) -> LoopState:
@@ -179,8 +182,8 @@ def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sam
     if isinstance(config.proposer, Adaptive):
         return _adaptive_round(config, model, proposer_params, state, sampling)
     tree, proposal = propose(config, proposer_params, model, state)
-    logits, cache = verify(config, model, tree, state.cache)
-    return accept_and_commit(config, state, tree, logits, cache, proposal, sampling)
+    logits, cache, block = verify(config, model, tree, state.cache)
+    return accept_and_commit(config, state, tree, logits, cache, block, proposal, sampling)
 
 
 # ----------------------------------------------------------------------------- jitted programs

@@ -11,7 +11,10 @@ each, stored `[out, in]` (what a one-row product reads in one kernel), and every
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call,
-without the block attention and the LSE merge a larger block needs.
+without the block attention and the LSE merge a larger block needs. A larger block (tree
+verification) attends the cache rows before it plus its own K/V, which it returns (`BlockKV`)
+instead of writing them into the cache: `commit` then writes only the accepted rows, straight from
+the block, one write per cache array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
@@ -49,6 +52,15 @@ class KVCache:
         return self.k[0].shape[1]
 
 
+@struct.dataclass
+class BlockKV:
+    """The K/V of `forward_block`'s T tokens: one `[B, T, Hkv, D]` array per layer in k (after
+    RoPE) and v. `commit` writes the accepted rows from it into the cache."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
     """An empty cache of `max_len` rows (static) per sequence."""
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
@@ -64,24 +76,21 @@ def _write_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.
     return jax.vmap(write)(cache_rows, new, start)
 
 
-def commit(cache: KVCache, src: jax.Array, n_accept: jax.Array) -> KVCache:
-    """Move accepted rows to the cache end: rows `lengths[b] + src[b, i]` go to `lengths[b] + i`
-    (all i < A, in every layer), then `lengths += n_accept`. src: int32[B, A]; n_accept: int32[B].
+def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array) -> KVCache:
+    """Write a verified block's accepted rows at the cache end: row `path[b, i]` of the block goes to
+    cache row `lengths[b] + i` (all i < A, in every layer), then `lengths += n_accept`.
+    block: `forward_block`'s K/V of the block; path: int32[B, A]; n_accept: int32[B] (<= A).
 
-    All A rows are gathered before any is written, so overlapping moves are safe."""
-    rows = cache.lengths[:, None] + src  # [B, A]
-    gather = jax.vmap(lambda x, r: jnp.take(x, r, axis=0, mode="clip"))
+    Rows past the new lengths get whatever the path's tail names (they hold anything). The caller
+    keeps lengths + A <= S_max (`_write_rows`)."""
+    pick = jax.vmap(lambda rows, p: jnp.take(rows, p, axis=0, mode="clip"))
 
-    def compact(x):
-        return _write_rows(x, gather(x, rows), cache.lengths)
+    def write(x, new):  # a small gather that XLA can fuse into the write's update
+        return _write_rows(x, pick(new, path), cache.lengths)
 
-    # The barrier keeps XLA from fusing the caller's last write into these gathers: fused, the
-    # gather would read the buffer from before that write, which then could not update in place and
-    # every layer's cache got copied each step.
-    k, v = jax.lax.optimization_barrier((cache.k, cache.v))
     return cache.replace(
-        k=tuple(compact(x) for x in k),
-        v=tuple(compact(x) for x in v),
+        k=tuple(write(x, new) for x, new in zip(cache.k, block.k)),
+        v=tuple(write(x, new) for x, new in zip(cache.v, block.v)),
         lengths=cache.lengths + n_accept.astype(jnp.int32),
     )
 
@@ -174,10 +183,12 @@ class PackedAttentionProjections(nnx.Module):
 
     def qkv(self, x, rope: Rope):
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj.parts(x)
-        q = q.reshape(b, t, self.num_heads, self.head_dim)
-        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
-        return rotate(q, *rope), rotate(k, *rope), v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q and k are adjacent in the packed product: rotated together, they take one elementwise
+        # op per layer instead of two (the rotation is per head, so the result is the same).
+        qk, v = jnp.split(self.qkv_proj(x), [(hq + hkv) * d], axis=-1)
+        qk = rotate(qk.reshape(b, t, hq + hkv, d), *rope)
+        return qk[:, :, :hq], qk[:, :, hq:], v.reshape(b, t, hkv, d)
 
     def kv(self, x, rope: Rope):
         _, k, v = self.qkv(x, rope)
@@ -315,33 +326,41 @@ class Transformer(nnx.Module):
         return logits, cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths)
 
     def forward_block(self, tokens, positions, block_mask, cache: KVCache, *, attn_impl: str | None = None):
-        """T new tokens int32[B,T] at positions int32[B,T] against the cache plus each other under
-        block_mask bool[B,T,T]. Returns (float32[B,T,V], cache with the block's K/V at rows
-        [lengths[b], lengths[b] + T) of every layer; lengths unchanged). Needs lengths + T <= S_max.
+        """T new tokens int32[B,T] at positions int32[B,T] against the cache rows [0, lengths[b])
+        plus each other under block_mask bool[B,T,T]. Returns (float32[B,T,V] logits, cache,
+        BlockKV of the T tokens); lengths unchanged.
 
-        T = 1 (AR decoding) takes one attention over cache rows [0, lengths[b] + block_mask[b, 0, 0])
-        after writing the row: the new key is just the next cache row."""
+        T > 1 (tree verification) leaves the cache as it is: the attention takes the block's own K/V
+        directly, and `commit` writes the accepted rows. T = 1 (AR decoding, lengths < S_max)
+        writes its row at lengths[b] of every layer (committing it is lengths += 1) and, with
+        one_token_attention, takes one attention over cache rows [0, lengths[b] + block_mask[b, 0, 0])
+        after the write: the new key is just the next cache row."""
         impl = _impl(attn_impl)
         rope = self._rope(positions)
         x = self.embed_tokens(tokens)
-        one_token = tokens.shape[1] == 1 and self.one_token_attention
+        one_row = tokens.shape[1] == 1
+        one_token = one_row and self.one_token_attention
         if one_token:
             visible = cache.lengths + block_mask[:, 0, 0].astype(jnp.int32)
-        new_k, new_v = [], []
+        cache_k, cache_v, block_k, block_v = [], [], [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             q, k, v = layer.qkv(x, rope)
-            # Write first: attention reads only rows < lengths, and the updated buffer is the one
-            # that lives on, so XLA can update it in place.
-            k_cache = _write_rows(k_cache, k, cache.lengths)
-            v_cache = _write_rows(v_cache, v, cache.lengths)
+            if one_row:
+                # Write first: the attention reads rows < lengths (and, one-token, the new row), and
+                # the updated buffer is the one that lives on, so XLA can update it in place.
+                k_cache = _write_rows(k_cache, k, cache.lengths)
+                v_cache = _write_rows(v_cache, v, cache.lengths)
             if one_token:
                 o = attention.decode_attention(q, k_cache, v_cache, visible, impl=impl)
             else:
                 o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
             x = layer.finish(x, o)
-            new_k.append(k_cache)
-            new_v.append(v_cache)
-        return self.lm_logits(self.norm(x)), cache.replace(k=tuple(new_k), v=tuple(new_v))
+            cache_k.append(k_cache)
+            cache_v.append(v_cache)
+            block_k.append(k)
+            block_v.append(v)
+        cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
+        return self.lm_logits(self.norm(x)), cache, BlockKV(k=tuple(block_k), v=tuple(block_v))
 
     def last_layer_kv(self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None):
         """The draft's training input: the last layer's k (after RoPE) and v, each [B,L,Hkv,D].

@@ -55,24 +55,25 @@ def _repeat_propose(params, proposer_params, state, proposal, n, *, config):
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def _repeat_verify(params, tree, cache, n, *, config):
-    """-> (logits, cache) of the last repetition (each writes the tree's K/V to the same rows)."""
+    """-> (logits, cache, block) of the last repetition (a root-only tree writes its row to the
+    same place each time; a larger one leaves the cache as it is)."""
     model = nnx.merge(config.graphdef, params)
 
     def body(_, carry):
         t, c = jax.lax.optimization_barrier((tree, carry[1]))
         return verify(config, model, t, c)
 
-    logits = _zeros_like_shapes(jax.eval_shape(lambda c: verify(config, model, tree, c), cache))[0]
-    return jax.lax.fori_loop(0, n, body, (logits, cache))
+    logits, _, block = _zeros_like_shapes(jax.eval_shape(lambda c: verify(config, model, tree, c), cache))
+    return jax.lax.fori_loop(0, n, body, (logits, cache, block))
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _repeat_accept(state, tree, logits, sampling, n, *, config):
+def _repeat_accept(state, tree, logits, block, sampling, n, *, config):
     """state: holds the verified cache and the proposal's state. -> the state after n acceptances."""
 
     def body(_, s):
-        t, lg, s = jax.lax.optimization_barrier((tree, logits, s))
-        return accept_and_commit(config, s, t, lg, s.cache, s.proposal, sampling)
+        t, lg, blk, s = jax.lax.optimization_barrier((tree, logits, block, s))
+        return accept_and_commit(config, s, t, lg, s.cache, blk, s.proposal, sampling)
 
     return jax.lax.fori_loop(0, n, body, state)
 
@@ -86,12 +87,15 @@ def profile_round_parts(config: LoopConfig, params, proposer_params, state: Loop
     (tree, proposal), propose_s = timed(
         functools.partial(_repeat_propose, config=config), params, proposer_params, rest, state.proposal, reps
     )
-    (logits, cache), verify_s = timed(functools.partial(_repeat_verify, config=config), params, tree, rest.cache, reps)
+    (logits, cache, block), verify_s = timed(
+        functools.partial(_repeat_verify, config=config), params, tree, rest.cache, reps
+    )
     state, accept_s = timed(
         functools.partial(_repeat_accept, config=config),
         rest.replace(cache=cache, proposal=proposal),
         tree,
         logits,
+        block,
         sampling,
         reps,
     )

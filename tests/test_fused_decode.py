@@ -17,6 +17,7 @@ from longspec_jax import attention
 from longspec_jax.errors import UserError
 from longspec_jax.generation import generate
 from longspec_jax.model import PackedAttentionProjections, PackedMLP, init_cache
+from longspec_jax.rope import rotate
 from longspec_jax.target import Target, random_target
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from tests.tiny_models import tiny_config
@@ -91,6 +92,21 @@ def test_packed_layout_replaces_the_projections_and_leaves_the_model_alone(pair)
     )
 
 
+def test_packed_qkv_rotates_q_and_k_together_as_each_alone(pair):
+    """One rotation of the packed q|k heads equals rotating q and k apart (run op by op, so the
+    comparison is exact); v is not rotated."""
+    _, packed = pair
+    attn = packed.model.layers[0].self_attn
+    c = packed.config
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, c.hidden_size)), jnp.float32)
+    cos_sin = packed.model._rope(jnp.asarray([[5, 6, 7], [0, 9, 2]], jnp.int32))
+    q, k, v = attn.qkv(x, cos_sin)
+    q0, k0, v0 = attn.qkv_proj.parts(x)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(rotate(q0.reshape(2, 3, c.num_heads, -1), *cos_sin)))
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(rotate(k0.reshape(2, 3, c.num_kv_heads, -1), *cos_sin)))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(v0.reshape(2, 3, c.num_kv_heads, -1)))
+
+
 def test_packed_forward_logits_prefill_and_tree_block_match_unpacked(pair):
     target, packed = pair
     rng = np.random.default_rng(0)
@@ -108,12 +124,13 @@ def test_packed_forward_logits_prefill_and_tree_block_match_unpacked(pair):
     depth = mask.sum(-1) - 1
     tree_tokens = rng.integers(0, target.config.vocab_size, size=(2, 6)).astype(np.int32)
     positions = (lengths[:, None] + depth).astype(np.int32)
-    (la, ca), (lb, cb) = (
+    (la, _, kva), (lb, _, kvb) = (
         block(target, tree_tokens, positions, mask, ca),
         block(packed, tree_tokens, positions, mask, cb),
     )
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=ATOL, rtol=0)
-    assert_caches_close(ca, cb, lengths + 6)
+    for x, y in zip(kva.k + kva.v, kvb.k + kvb.v):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=ATOL, rtol=0)
 
 
 def test_one_token_block_matches_the_full_forward_and_row_zero_of_a_larger_block(pair):
@@ -126,15 +143,15 @@ def test_one_token_block_matches_the_full_forward_and_row_zero_of_a_larger_block
         lengths = np.asarray([8, 5], np.int32)
         _, cache = prefill(target, tokens, lengths)
         nxt = tokens[np.arange(2), lengths][:, None]
-        logits, new_cache = block(target, nxt, lengths[:, None], np.ones((2, 1, 1), bool), cache)
+        logits, new_cache, _ = block(target, nxt, lengths[:, None], np.ones((2, 1, 1), bool), cache)
         full = np.asarray(target.forward_logits(tokens))
         for b, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(logits[b, 0]), full[b, n], atol=ATOL, rtol=0)
         assert_caches_close(new_cache, prefill(target, tokens, lengths + 1)[1], lengths + 1)
 
-        blind, _ = block(target, nxt, lengths[:, None], np.zeros((2, 1, 1), bool), cache)
+        blind, _, _ = block(target, nxt, lengths[:, None], np.zeros((2, 1, 1), bool), cache)
         pair_mask = np.asarray([[False, False], [True, True]])[None].repeat(2, 0)
-        two, _ = block(target, np.concatenate([nxt, nxt], 1), lengths[:, None] + np.arange(2), pair_mask, cache)
+        two, _, _ = block(target, np.concatenate([nxt, nxt], 1), lengths[:, None] + np.arange(2), pair_mask, cache)
         np.testing.assert_allclose(np.asarray(blind[:, 0]), np.asarray(two[:, 0]), atol=ATOL, rtol=0)
 
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from longspec_jax import UserError, init_cache, random_target
 from longspec_jax import commit as _commit_eager
-from longspec_jax.model import Transformer
+from longspec_jax.model import BlockKV, KVCache, Transformer
 from longspec_jax.model_shapes import MODEL_SHAPES
 from tests.tiny_models import tiny_config
 
@@ -56,10 +56,10 @@ def block(target, tokens, positions, mask, cache):
 def decode_one(target, token_per_seq, cache):
     """One AR step: a T=1 block at position `lengths`, then commit it."""
     b = len(token_per_seq)
-    logits, cache = block(
+    logits, cache, kv = block(
         target, np.asarray(token_per_seq)[:, None], cache.lengths[:, None], np.ones((b, 1, 1), bool), cache
     )
-    return logits[:, 0], commit(cache, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
+    return logits[:, 0], commit(cache, kv, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
 
 
 def _random_tokens(seed, shape, vocab=128):
@@ -92,10 +92,10 @@ def test_block_with_causal_mask_equals_single_steps(target):
     _, start = prefill(target, seq[:, :prompt_len], [prompt_len] * 2)
     positions = np.broadcast_to(np.arange(prompt_len, prompt_len + t_block), (2, t_block))
     causal = np.broadcast_to(np.tril(np.ones((t_block, t_block), bool)), (2, t_block, t_block))
-    block_logits, block_cache = block(target, seq[:, prompt_len:], positions, causal, start)
+    block_logits, block_cache, kv = block(target, seq[:, prompt_len:], positions, causal, start)
     assert block_cache.lengths.tolist() == [prompt_len] * 2  # forward_block commits nothing
     block_cache = commit(
-        block_cache, jnp.broadcast_to(jnp.arange(t_block), (2, t_block)), jnp.full((2,), t_block, jnp.int32)
+        block_cache, kv, jnp.broadcast_to(jnp.arange(t_block), (2, t_block)), jnp.full((2,), t_block, jnp.int32)
     )
     step_cache = start
     for i in range(t_block):
@@ -107,39 +107,86 @@ def test_block_with_causal_mask_equals_single_steps(target):
         np.testing.assert_allclose(a[:, :end], b[:, :end], atol=ATOL)
 
 
-def test_commit_compacts_a_permuted_accepted_path(target):
-    """Block nodes in scrambled order; the accepted path a -> b -> c sits at block indices given by
-    src. After commit, the cache must equal a fresh prefill of prompt + [a, b, c]."""
+def test_commit_writes_the_accepted_path_of_a_scrambled_tree(target):
+    """Block nodes in scrambled order; sequence 0 accepts the path a -> b -> c, sequence 1 the path
+    a -> x, which skips the block's nodes between them. path lists each accepted path's block
+    indices in path order, padded to A = 4 with other nodes (rows past the new length may hold
+    anything). After commit, each cache must equal a fresh prefill of prompt + accepted tokens, and
+    the prompt rows must be the very same values as before."""
     prompt_lens = [4, 7]
     prompt = _random_tokens(2, (2, 7))
-    path = _random_tokens(3, (2, 3))
-    distractors = _random_tokens(4, (2, 2))
-    # Block order per sequence (index -> node); src lists the path's indices in path order.
+    node_tokens = _random_tokens(3, (2, 5))
+    # Block order per sequence (index -> node).
     orders = [["c", "x", "a", "b", "y"], ["b", "a", "y", "c", "x"]]
+    accepted = [["a", "b", "c", "y"], ["a", "x", "c", "b"]]
+    n_accept = [3, 2]
     depth = {"a": 0, "b": 1, "c": 2, "x": 1, "y": 2}
     ancestors = {"a": "a", "b": "ab", "c": "abc", "x": "ax", "y": "axy"}
     t_block = 5
     tokens = np.zeros((2, t_block), np.int32)
     positions = np.zeros((2, t_block), np.int32)
     mask = np.zeros((2, t_block, t_block), bool)
-    src = np.zeros((2, 4), np.int32)  # A = 4 > n_accept: the extra column may move anything
+    path = np.zeros((2, 4), np.int32)
     for s, order in enumerate(orders):
-        node_token = {"a": path[s, 0], "b": path[s, 1], "c": path[s, 2], "x": distractors[s, 0], "y": distractors[s, 1]}
+        node_token = dict(zip("abcxy", node_tokens[s]))
         for i, node in enumerate(order):
             tokens[s, i] = node_token[node]
             positions[s, i] = prompt_lens[s] + depth[node]
             mask[s, i] = [other in ancestors[node] for other in order]
-        src[s, :3] = [order.index(n) for n in "abc"]
-        src[s, 3] = order.index("y")
-    _, cache = prefill(target, prompt, prompt_lens)
-    _, cache = block(target, tokens, positions, mask, cache)
-    cache = commit(cache, jnp.asarray(src), jnp.full((2,), 3, jnp.int32))
-    assert cache.lengths.tolist() == [n + 3 for n in prompt_lens]
-    for s, n in enumerate(prompt_lens):
-        accepted = np.concatenate([prompt[s, :n], path[s]])[None]
-        _, fresh = prefill(target, accepted, [n + 3])
-        for ours, ref in zip(cache.k + cache.v, fresh.k + fresh.v):
-            np.testing.assert_allclose(ours[s, : n + 3], ref[0, : n + 3], atol=ATOL)
+        path[s] = [order.index(n) for n in accepted[s]]
+    _, before = prefill(target, prompt, prompt_lens)
+    _, verified, kv = block(target, tokens, positions, mask, before)
+    cache = commit(verified, kv, jnp.asarray(path), jnp.asarray(n_accept, jnp.int32))
+    assert cache.lengths.tolist() == [n + a for n, a in zip(prompt_lens, n_accept)]
+    for s, (n, a) in enumerate(zip(prompt_lens, n_accept)):
+        kept = [dict(zip("abcxy", node_tokens[s]))[node] for node in accepted[s][:a]]
+        _, fresh = prefill(target, np.concatenate([prompt[s, :n], kept])[None], [n + a])
+        for ours, ref, old in zip(cache.k + cache.v, fresh.k + fresh.v, before.k + before.v):
+            np.testing.assert_array_equal(ours[s, :n], old[s, :n])
+            np.testing.assert_allclose(ours[s, : n + a], ref[0, : n + a], atol=ATOL)
+
+
+def test_commit_moves_exactly_the_path_rows():
+    """commit against plain indexing on random arrays (batch 2, different lengths and n_accept, a
+    path that skips and repeats block rows): rows lengths + i get block row path[i] for all i < A,
+    and every other cache row keeps its value exactly."""
+    rng = np.random.default_rng(11)
+    b, s, t, h, d, layers = 2, 12, 5, 2, 3, 2
+    lengths = np.asarray([3, 6], np.int32)
+    path = np.asarray([[0, 2, 4, 1], [0, 3, 3, 0]], np.int32)
+    n_accept = np.asarray([3, 1], np.int32)
+    k, v = ([rng.standard_normal((b, s, h, d), np.float32) for _ in range(layers)] for _ in range(2))
+    bk, bv = ([rng.standard_normal((b, t, h, d), np.float32) for _ in range(layers)] for _ in range(2))
+    as_jax = lambda arrays: tuple(map(jnp.asarray, arrays))  # noqa: E731
+    cache = KVCache(k=as_jax(k), v=as_jax(v), lengths=jnp.asarray(lengths))
+    out = commit(cache, BlockKV(k=as_jax(bk), v=as_jax(bv)), path, n_accept)
+    assert out.lengths.tolist() == (lengths + n_accept).tolist()
+    for got, old, new in zip(out.k + out.v, k + v, bk + bv):
+        want = old.copy()
+        for row in range(b):
+            want[row, lengths[row] : lengths[row] + path.shape[1]] = new[row, path[row]]
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_tree_block_leaves_the_cache_and_a_one_token_block_writes_its_row(target):
+    """T > 1 returns the block's K/V and the cache arrays unchanged; T = 1 writes its row at lengths
+    (and nothing else), the K/V it also returns."""
+    prompt = _random_tokens(12, (2, 7))
+    lengths = np.asarray([4, 7], np.int32)
+    _, cache = prefill(target, prompt, lengths)
+    mask = np.broadcast_to(np.tril(np.ones((3, 3), bool)), (2, 3, 3))
+    _, after, kv = block(target, _random_tokens(13, (2, 3)), lengths[:, None] + np.arange(3), mask, cache)
+    assert after.lengths.tolist() == lengths.tolist()
+    for got, old in zip(after.k + after.v, cache.k + cache.v):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(old))
+    assert kv.k[0].shape == (2, 3, target.config.num_kv_heads, target.config.head_dim)
+
+    _, after, kv = block(target, _random_tokens(14, (2, 1)), lengths[:, None], np.ones((2, 1, 1), bool), cache)
+    assert after.lengths.tolist() == lengths.tolist()
+    for got, old, new in zip(after.k + after.v, cache.k + cache.v, kv.k + kv.v):
+        want = np.asarray(old).copy()
+        want[np.arange(2), lengths] = np.asarray(new)[:, 0]
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_batch_of_different_lengths_equals_each_alone(target):
@@ -187,9 +234,9 @@ def test_last_layer_kv_keys_rotate_with_positions(target):
     k, v = target.model.last_layer_kv(jnp.asarray(tokens), jnp.asarray(positions), attn_impl="xla")
     cache = init_cache(target.config, 1, MAX_LEN, jnp.float32)
     causal = np.tril(np.ones((6, 6), bool))[None]
-    _, cache = block(target, tokens, positions, causal, cache)
-    np.testing.assert_allclose(k, cache.k[-1][:, :6], atol=ATOL)
-    np.testing.assert_allclose(v, cache.v[-1][:, :6], atol=ATOL)
+    _, _, kv = block(target, tokens, positions, causal, cache)
+    np.testing.assert_allclose(k, kv.k[-1], atol=ATOL)
+    np.testing.assert_allclose(v, kv.v[-1], atol=ATOL)
 
 
 def test_tied_and_bfloat16_random_targets():
