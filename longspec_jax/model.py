@@ -71,8 +71,13 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
 def _write_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """cache_rows [B,S,H,D] with new [B,T,H,D] written at rows [start[b], start[b] + T).
 
-    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail)."""
-    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail). At
+    batch 1 a plain dynamic_update_slice: batched, it becomes a scatter whose bounds check reads
+    every written row first, one more kernel per cache array on the GPU."""
+    new = new.astype(cache_rows.dtype)
+    if cache_rows.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(cache_rows, new, (0, start[0], 0, 0))
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
     return jax.vmap(write)(cache_rows, new, start)
 
 
