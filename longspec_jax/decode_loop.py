@@ -129,7 +129,7 @@ def accept_and_commit(
     if tree.tokens.shape[1] == 1:
         cache = cache.replace(lengths=cache.lengths + n_keep)
     else:
-        cache = commit(cache, block, acc.path, n_keep)
+        cache = commit(cache, block, acc.path, n_keep, impl=config.attn_impl)
     if config.depth == 0:
         # One token per round: every live sequence holds rounds + 1 tokens, so one column takes
         # them all (a plain slice update, cheaper than a per-row scatter in the AR step).

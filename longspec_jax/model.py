@@ -32,6 +32,7 @@ from longspec_jax import attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
+from pallas_kernels.commit_rows import commit_rows
 
 INIT_STD = 0.02
 
@@ -81,13 +82,22 @@ def _write_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.
     return jax.vmap(write)(cache_rows, new, start)
 
 
-def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array) -> KVCache:
+def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array, *, impl: str = "xla") -> KVCache:
     """Write a verified block's accepted rows at the cache end: row `path[b, i]` of the block goes to
     cache row `lengths[b] + i` (all i < A, in every layer), then `lengths += n_accept`.
     block: `forward_block`'s K/V of the block; path: int32[B, A]; n_accept: int32[B] (<= A).
 
-    Rows past the new lengths get whatever the path's tail names (they hold anything). The caller
-    keeps lengths + A <= S_max (`_write_rows`)."""
+    impl "pallas" moves every layer's rows in one Pallas kernel, the caches updated in place; XLA
+    spends a kernel per cache array. Rows past the new lengths get whatever the path's tail names
+    (they hold anything). The caller keeps lengths + A <= S_max (`_write_rows`)."""
+    lengths = cache.lengths + n_accept.astype(jnp.int32)
+    if impl == "pallas":
+        layers = len(cache.k)
+        try:
+            rows = commit_rows((*cache.k, *cache.v), (*block.k, *block.v), path, cache.lengths)
+        except ValueError as err:  # shapes the kernel cannot take: the caller's to fix
+            raise UserError(str(err)) from err
+        return cache.replace(k=rows[:layers], v=rows[layers:], lengths=lengths)
     pick = jax.vmap(lambda rows, p: jnp.take(rows, p, axis=0, mode="clip"))
 
     def write(x, new):  # a small gather that XLA can fuse into the write's update
@@ -96,7 +106,7 @@ def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array)
     return cache.replace(
         k=tuple(write(x, new) for x, new in zip(cache.k, block.k)),
         v=tuple(write(x, new) for x, new in zip(cache.v, block.v)),
-        lengths=cache.lengths + n_accept.astype(jnp.int32),
+        lengths=lengths,
     )
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.cache_attention import cache_attention
+from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.hybrid_attention import hybrid_attention
 from pallas_kernels.tree_attention import masked_attention
 
@@ -39,6 +40,13 @@ def lower_for_cuda(fn, *shapes):
     jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
+def assert_valid_modules(modules, names) -> None:
+    assert {m.operation.attributes["sym_name"].value for m in modules} == names
+    for module in modules:
+        with module.context:
+            assert module.operation.verify()
+
+
 # (B, T, Hq, Hkv, S, D): SmolLM2 verify and one-token steps, 7B verify.
 SHAPES = [(1, 21, 9, 3, 4608, 64), (2, 1, 9, 3, 4608, 64), (1, 74, 32, 8, 32768, 128)]
 KERNELS = {
@@ -63,7 +71,29 @@ def test_kernels_lower_to_valid_triton_modules(lowered_modules, kernel, b, t, hq
         "mask": jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
     }
     lower_for_cuda(lambda *args: fn(*args, interpret=False), *(shapes[a] for a in arg_names.split()))
-    assert {m.operation.attributes["sym_name"].value for m in lowered_modules} == names
-    for module in lowered_modules:
-        with module.context:
-            assert module.operation.verify()
+    assert_valid_modules(lowered_modules, names)
+
+
+# (B, layers, T, A, S, Hkv, D): SmolLM2 verify at batch 1 and 2 (bf16 cache, float32 block rows
+# cast on the way), a 7B-like layout.
+COMMIT_SHAPES = [
+    (1, 30, 21, 6, 4608, 3, 64, jnp.bfloat16),
+    (2, 30, 21, 6, 4608, 3, 64, jnp.float32),
+    (1, 32, 74, 9, 32768, 8, 128, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("b,layers,t,a,s,hkv,d,block_dtype", COMMIT_SHAPES)
+def test_commit_rows_lowers_to_a_valid_triton_module(lowered_modules, b, layers, t, a, s, hkv, d, block_dtype):
+    caches = [jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)] * (2 * layers)
+    blocks = [jax.ShapeDtypeStruct((b, t, hkv, d), block_dtype)] * (2 * layers)
+    path, lengths = jax.ShapeDtypeStruct((b, a), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)
+    n = 2 * layers
+    lower_for_cuda(
+        lambda *args: commit_rows(args[:n], args[n : 2 * n], *args[2 * n :], interpret=False),
+        *caches,
+        *blocks,
+        path,
+        lengths,
+    )
+    assert_valid_modules(lowered_modules, {"commit_rows"})
