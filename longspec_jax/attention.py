@@ -39,6 +39,8 @@ from pallas_kernels import tree_attention as pallas_tree
 
 __all__ = [
     "cache_attention",
+    "decode_attention",
+    "decode_attention_and_write",
     "default_impl",
     "hybrid_tree_attention",
     "masked_attention",
@@ -47,6 +49,7 @@ __all__ = [
     "merge_attention",
     "prefill_attention",
     "sliding_window_attention",
+    "write_cache_rows",
 ]
 
 IMPLS = ("xla", "cudnn", "pallas")
@@ -357,3 +360,49 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "xla", scale=N
     if impl == "cudnn":
         return _decode_cudnn(q, k_cache, v_cache, lengths, scale)
     return _cache_xla(q, k_cache, v_cache, lengths, scale)[0]
+
+
+def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_rows [B,S,H,D] with new [B,T,H,D] written at rows [start[b], start[b] + T).
+
+    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail). At
+    batch 1 a plain dynamic_update_slice: batched, it becomes a scatter whose bounds check reads
+    every written row first, one more kernel per cache array on the GPU."""
+    new = new.astype(cache_rows.dtype)
+    if cache_rows.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(cache_rows, new, (0, start[0], 0, 0))
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+    return jax.vmap(write)(cache_rows, new, start)
+
+
+def decode_attention_and_write(q, k_new, v_new, k_cache, v_cache, lengths, self_mask, *, impl: str = "xla", scale=None):
+    """AR decoding's attention of one new token per sequence, its K/V written into the cache.
+
+    q [B,1,Hq,D] attends cache rows [0, lengths[b]) of k_cache/v_cache [B,S,Hkv,D] plus its own key
+    k_new/v_new [B,1,Hkv,D] where self_mask bool[B,1,1] is True, and k_new/v_new go to row
+    lengths[b] (the caller keeps lengths < S). Returns (o [B,1,Hq,D] in q.dtype, k_cache, v_cache).
+
+    "pallas": one fused kernel attends and writes the row (the caches are its outputs, aliased to
+    its inputs), then the Pallas combine: no cache-write kernels. "xla" / "cudnn" write the row,
+    then attend rows [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
+    _check_impl(impl, "decode_attention_and_write")
+    if q.shape[1] != 1 or k_new.shape[1] != 1:
+        raise UserError(
+            f"decode_attention_and_write takes one token per sequence, got {q.shape[1]}: use hybrid_tree_attention"
+        )
+    if impl == "pallas":
+        return _kernel(
+            pallas_hybrid.hybrid_attention_and_write,
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            k_new.astype(k_cache.dtype),
+            v_new.astype(v_cache.dtype),
+            self_mask,
+            scale=scale,
+        )
+    k_cache = write_cache_rows(k_cache, k_new, lengths)
+    v_cache = write_cache_rows(v_cache, v_new, lengths)
+    visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
+    return decode_attention(q, k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.hybrid_attention import hybrid_attention
+from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from pallas_kernels.split_combine import combine_splits
 
@@ -51,6 +51,45 @@ def test_hybrid_kernel_matches_attention_over_concatenated_keys(b, t, hq, hkv, s
     assert o.shape == case[0].shape and o.dtype == np.float32
     assert np.isfinite(o).all(), "o has NaN/inf: an element was not written or an empty slice blew up"
     np.testing.assert_allclose(o, want, **TOL)
+
+
+def with_rows_written(cache, new, lengths):
+    """cache [B,S,H,D] with new [B,N,H,D] at rows [lengths[b], lengths[b] + N), as NumPy."""
+    out = cache.copy()
+    for b, n in enumerate(lengths):
+        out[b, n : n + new.shape[1]] = new[b]
+    return out
+
+
+# (B, T = N, S, cache lengths, self-visibility of the one-token steps, kernel options): one-token
+# steps (AR decoding) with an empty cache next to a long one, one that fills the cache's last row,
+# a token that does not see itself; a 3-token block whose new rows cross a 16-key tile edge.
+WRITE_CASES = [
+    (2, 1, 150, [0, 131], [True, True], dict(num_splits=3)),
+    (2, 1, 64, [63, 7], [True, False], dict(num_splits=None)),
+    (2, 3, 80, [14, 40], None, dict(num_splits=2, block_rows=16, block_keys=16)),
+]
+
+
+@pytest.mark.parametrize("b,t,s,lengths,sees_itself,options", WRITE_CASES)
+def test_hybrid_kernel_writes_the_new_rows_and_attends_as_before_the_write(b, t, s, lengths, sees_itself, options):
+    """The written rows equal the new keys exactly, every other cache row is untouched, and o is
+    attention over cache rows [0, len) plus the new keys under the mask (not the rows just written
+    twice over)."""
+    rng = np.random.default_rng([b, t, s])
+    q, k_cache, v_cache, lengths, k_new, v_new, mask = hybrid_inputs(rng, b, t, 9, 3, s, 64, lengths)
+    if sees_itself is not None:
+        mask = np.asarray(sees_itself)[:, None, None]
+    case = (q, k_cache, v_cache, lengths, k_new, v_new, mask)
+    o, k_out, v_out = hybrid_attention_and_write(*(jnp.asarray(x) for x in case), **options)
+    np.testing.assert_array_equal(np.asarray(k_out), with_rows_written(k_cache, k_new, lengths))
+    np.testing.assert_array_equal(np.asarray(v_out), with_rows_written(v_cache, v_new, lengths))
+    want, _ = concatenated_reference(*case)
+    assert np.isfinite(np.asarray(o)).all()
+    np.testing.assert_allclose(np.asarray(o), want, **TOL)
+    np.testing.assert_allclose(
+        np.asarray(o), np.asarray(hybrid_attention(*(jnp.asarray(x) for x in case), **options)), **TOL
+    )
 
 
 def test_hybrid_kernel_row_that_sees_nothing_is_zero():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.cache_attention import cache_attention
-from pallas_kernels.hybrid_attention import hybrid_attention
+from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.tree_attention import masked_attention
 
 
@@ -43,6 +43,11 @@ def lower_for_cuda(fn, *shapes):
 SHAPES = [(1, 21, 9, 3, 4608, 64), (2, 1, 9, 3, 4608, 64), (1, 74, 32, 8, 32768, 128)]
 KERNELS = {
     "hybrid": ({"hybrid_split_k_attn", "split_k_combine"}, hybrid_attention, "q kc vc len kn vn mask"),
+    "hybrid_write": (
+        {"hybrid_split_k_attn_write", "split_k_combine"},
+        hybrid_attention_and_write,
+        "q kc vc len kn vn mask",
+    ),
     "cache": ({"cache_split_k_attn", "split_k_combine"}, cache_attention, "q kc vc len"),
     "masked": ({"fused_mask_attn"}, masked_attention, "q kn vn mask"),
 }
