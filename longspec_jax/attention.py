@@ -7,6 +7,9 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `hybrid_tree_attention`: T new queries against a cache (every query sees cache keys
   [0, cache_len[b]) with no mask) plus the T' new keys under a boolean mask (a tree mask in
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
+- `decode_attention_and_write`: AR decoding's one-token step from the packed, un-rotated q|k|v
+  product: rotates, writes the token's K/V row into the cache and attends rows [0, len] (with
+  "pallas" all in the fused kernel, whose outputs include the caches, aliased to its inputs).
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `masked_self_attention`: the draft's inference self-attention, a few queries against its
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.errors import UserError
+from longspec_jax.rope import rotate
 from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels import tree_attention as pallas_tree
@@ -375,34 +379,45 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
     return jax.vmap(write)(cache_rows, new, start)
 
 
-def decode_attention_and_write(q, k_new, v_new, k_cache, v_cache, lengths, self_mask, *, impl: str = "xla", scale=None):
-    """AR decoding's attention of one new token per sequence, its K/V written into the cache.
+def decode_attention_and_write(
+    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
+):
+    """AR decoding's attention of one new token per sequence, from the model's q|k|v product, its
+    K/V written into the cache.
 
-    q [B,1,Hq,D] attends cache rows [0, lengths[b]) of k_cache/v_cache [B,S,Hkv,D] plus its own key
-    k_new/v_new [B,1,Hkv,D] where self_mask bool[B,1,1] is True, and k_new/v_new go to row
-    lengths[b] (the caller keeps lengths < S). Returns (o [B,1,Hq,D] in q.dtype, k_cache, v_cache).
+    qkv [B,1,(Hq + 2 Hkv) * D]: q, k and v of the token before RoPE; rope: `rope.rope_tables`'
+    (cos, sin) at its position. The rotated q attends cache rows [0, lengths[b]) of k_cache/v_cache
+    [B,S,Hkv,D] plus its own key where self_mask bool[B,1,1] is True, and the rotated k and v go to
+    row lengths[b] (the caller keeps lengths < S). Returns (o [B,1,Hq,D] in qkv.dtype, k_cache,
+    v_cache).
 
-    "pallas": one fused kernel attends and writes the row (the caches are its outputs, aliased to
-    its inputs), then the Pallas combine: no cache-write kernels. "xla" / "cudnn" write the row,
-    then attend rows [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
+    "pallas": one fused kernel rotates, attends and writes the row (the caches are its outputs,
+    aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
+    "xla" / "cudnn" split and rotate, write the row, then attend rows [0, lengths[b] + self_mask[b])
+    (`decode_attention`)."""
     _check_impl(impl, "decode_attention_and_write")
-    if q.shape[1] != 1 or k_new.shape[1] != 1:
-        raise UserError(
-            f"decode_attention_and_write takes one token per sequence, got {q.shape[1]}: use hybrid_tree_attention"
-        )
+    b, t, width = qkv.shape
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if t != 1:
+        raise UserError(f"decode_attention_and_write takes one token per sequence, got {t}: use hybrid_tree_attention")
+    qkv = qkv.reshape(b, t, width // d, d)
+    cos, sin = rope
     if impl == "pallas":
         return _kernel(
             pallas_hybrid.hybrid_attention_and_write,
-            q,
+            qkv.astype(k_cache.dtype),
+            cos.reshape(b, t, d // 2),
+            sin.reshape(b, t, d // 2),
             k_cache,
             v_cache,
             lengths,
-            k_new.astype(k_cache.dtype),
-            v_new.astype(v_cache.dtype),
             self_mask,
+            num_heads=num_heads,
             scale=scale,
         )
-    k_cache = write_cache_rows(k_cache, k_new, lengths)
-    v_cache = write_cache_rows(v_cache, v_new, lengths)
+    # q and k rotated together: one elementwise op, the same result (the rotation is per head).
+    qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
+    k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
+    v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
     visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
-    return decode_attention(q, k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache
+    return decode_attention(qk[:, :, :num_heads], k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

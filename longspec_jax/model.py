@@ -164,6 +164,10 @@ class SelfAttentionProjections(nnx.Module):
         k, v = self.kv(x, rope)
         return rotate(q, *rope), k, v
 
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D]: what `PackedAttentionProjections` computes in one."""
+        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
 
 class PackedAttentionProjections(nnx.Module):
     """`SelfAttentionProjections` with q/k/v as one `PackedLinear` (inference layout)."""
@@ -185,6 +189,10 @@ class PackedAttentionProjections(nnx.Module):
     def kv(self, x, rope: Rope):
         _, k, v = self.qkv(x, rope)
         return k, v
+
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D]."""
+        return self.qkv_proj(x)
 
 
 class MLP(nnx.Module):
@@ -224,6 +232,10 @@ class DecoderLayer(nnx.Module):
     def qkv(self, x, rope: Rope):
         """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
         return self.self_attn.qkv(self.input_layernorm(x), rope)
+
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D], for an attention that rotates them itself."""
+        return self.self_attn.qkv_product(self.input_layernorm(x))
 
     def finish(self, x, attn_out):
         """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
@@ -334,12 +346,21 @@ class Transformer(nnx.Module):
         one_token = one_row and self.one_token_attention
         cache_k, cache_v, block_k, block_v = [], [], [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            q, k, v = layer.qkv(x, rope)
             if one_token:
                 o, k_cache, v_cache = attention.decode_attention_and_write(
-                    q, k, v, k_cache, v_cache, cache.lengths, block_mask, impl=impl
+                    layer.qkv_product(x),
+                    rope,
+                    k_cache,
+                    v_cache,
+                    cache.lengths,
+                    block_mask,
+                    num_heads=self.config.num_heads,
+                    impl=impl,
                 )
+                # The block's K/V as written (AR decoding never reads them: XLA drops this then).
+                k, v = _cache_row(k_cache, cache.lengths), _cache_row(v_cache, cache.lengths)
             else:
+                q, k, v = layer.qkv(x, rope)
                 if one_row:
                     # Write first: the updated buffer is the one that lives on, so XLA can update it
                     # in place (the attention reads only rows < lengths).
@@ -363,6 +384,11 @@ class Transformer(nnx.Module):
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
         return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+
+
+def _cache_row(cache_rows: jax.Array, row: jax.Array) -> jax.Array:
+    """Row row[b] of cache_rows [B,S,H,D] -> [B,1,H,D]."""
+    return jax.vmap(lambda c, r: jax.lax.dynamic_slice_in_dim(c, r, 1, axis=0))(cache_rows, row)
 
 
 def _impl(attn_impl: str | None) -> str:

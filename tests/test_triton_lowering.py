@@ -45,8 +45,10 @@ KERNELS = {
     "hybrid": ({"hybrid_split_k_attn", "split_k_combine"}, hybrid_attention, "q kc vc len kn vn mask"),
     "hybrid_write": (
         {"hybrid_split_k_attn_write", "split_k_combine"},
-        hybrid_attention_and_write,
-        "q kc vc len kn vn mask",
+        lambda qkv, *rest, interpret: hybrid_attention_and_write(
+            qkv, *rest, num_heads=qkv.shape[2] - 2 * rest[2].shape[2], interpret=interpret
+        ),
+        "qkv cos sin kc vc len mask",
     ),
     "cache": ({"cache_split_k_attn", "split_k_combine"}, cache_attention, "q kc vc len"),
     "masked": ({"fused_mask_attn"}, masked_attention, "q kn vn mask"),
@@ -66,6 +68,9 @@ def test_kernels_lower_to_valid_triton_modules(lowered_modules, kernel, b, t, hq
         "kn": jax.ShapeDtypeStruct((b, t, hkv, d), bf16),
         "vn": jax.ShapeDtypeStruct((b, t, hkv, d), bf16),
         "mask": jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
+        "qkv": jax.ShapeDtypeStruct((b, t, hq + 2 * hkv, d), bf16),
+        "cos": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
+        "sin": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
     }
     lower_for_cuda(lambda *args: fn(*args, interpret=False), *(shapes[a] for a in arg_names.split()))
     assert {m.operation.attributes["sym_name"].value for m in lowered_modules} == names
