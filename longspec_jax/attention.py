@@ -1,5 +1,6 @@
 """The attention-op module: every attention in the target and the draft goes through here, and
-it is the only door to the Pallas kernels (their `ValueError`s come out as `UserError`).
+it is the door to the Pallas attention kernels (their `ValueError`s come out as `UserError`; the
+one other kernel, the cache commit, is called by `model.commit`).
 
 Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `prefill_attention`: a block of L tokens against itself, causal, per-sequence lengths (the cache
@@ -7,6 +8,9 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `hybrid_tree_attention`: T new queries against a cache (every query sees cache keys
   [0, cache_len[b]) with no mask) plus the T' new keys under a boolean mask (a tree mask in
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
+- `decode_attention_and_write`: AR decoding's one-token step from the packed, un-rotated q|k|v
+  product: rotates, writes the token's K/V row into the cache and attends rows [0, len] (with
+  "pallas" all in the fused kernel, whose outputs include the caches, aliased to its inputs).
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `masked_self_attention`: the draft's inference self-attention, a few queries against its
@@ -33,12 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.errors import UserError
+from longspec_jax.rope import rotate
 from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels import tree_attention as pallas_tree
 
 __all__ = [
     "cache_attention",
+    "decode_attention",
+    "decode_attention_and_write",
     "default_impl",
     "hybrid_tree_attention",
     "masked_attention",
@@ -47,6 +54,7 @@ __all__ = [
     "merge_attention",
     "prefill_attention",
     "sliding_window_attention",
+    "write_cache_rows",
 ]
 
 IMPLS = ("xla", "cudnn", "pallas")
@@ -357,3 +365,60 @@ def decode_attention(q, k_cache, v_cache, lengths, *, impl: str = "xla", scale=N
     if impl == "cudnn":
         return _decode_cudnn(q, k_cache, v_cache, lengths, scale)
     return _cache_xla(q, k_cache, v_cache, lengths, scale)[0]
+
+
+def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_rows [B,S,H,D] with new [B,T,H,D] written at rows [start[b], start[b] + T).
+
+    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail). At
+    batch 1 a plain dynamic_update_slice: batched, it becomes a scatter whose bounds check reads
+    every written row first, one more kernel per cache array on the GPU."""
+    new = new.astype(cache_rows.dtype)
+    if cache_rows.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(cache_rows, new, (0, start[0], 0, 0))
+    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+    return jax.vmap(write)(cache_rows, new, start)
+
+
+def decode_attention_and_write(
+    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
+):
+    """AR decoding's attention of one new token per sequence, from the model's q|k|v product, its
+    K/V written into the cache.
+
+    qkv [B,1,(Hq + 2 Hkv) * D]: q, k and v of the token before RoPE; rope: `rope.rope_tables`'
+    (cos, sin) at its position. The rotated q attends cache rows [0, lengths[b]) of k_cache/v_cache
+    [B,S,Hkv,D] plus its own key where self_mask bool[B,1,1] is True, and the rotated k and v go to
+    row lengths[b] (the caller keeps lengths < S). Returns (o [B,1,Hq,D] in qkv.dtype, k_cache,
+    v_cache).
+
+    "pallas": one fused kernel rotates, attends and writes the row (the caches are its outputs,
+    aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
+    "xla" / "cudnn" split and rotate, write the row, then attend rows [0, lengths[b] + self_mask[b])
+    (`decode_attention`)."""
+    _check_impl(impl, "decode_attention_and_write")
+    b, t, width = qkv.shape
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if t != 1:
+        raise UserError(f"decode_attention_and_write takes one token per sequence, got {t}: use hybrid_tree_attention")
+    qkv = qkv.reshape(b, t, width // d, d)
+    cos, sin = rope
+    if impl == "pallas":
+        return _kernel(
+            pallas_hybrid.hybrid_attention_and_write,
+            qkv.astype(k_cache.dtype),
+            cos.reshape(b, t, d // 2),
+            sin.reshape(b, t, d // 2),
+            k_cache,
+            v_cache,
+            lengths,
+            self_mask,
+            num_heads=num_heads,
+            scale=scale,
+        )
+    # q and k rotated together: one elementwise op, the same result (the rotation is per head).
+    qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
+    k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
+    v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
+    visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
+    return decode_attention(qk[:, :, :num_heads], k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

@@ -10,8 +10,8 @@ Attention math lives in `attention.py`; this file only projects, rotates and sto
 each, stored `[out, in]` (what a one-row product reads in one kernel), and every forward computes
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
-A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call,
-without the block attention and the LSE merge a larger block needs. A larger block (tree
+A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
+(with the Pallas kernels, one kernel and its combine: no cache-write kernels). A larger block (tree
 verification) attends the cache rows before it plus its own K/V, which it returns (`BlockKV`)
 instead of writing them into the cache: `commit` then writes only the accepted rows, straight from
 the block, one write per cache array.
@@ -69,19 +69,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
     return KVCache(k=per_layer(), v=per_layer(), lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def _write_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache_rows [B,S,H,D] with new [B,T,H,D] written at rows [start[b], start[b] + T).
-
-    The caller keeps start + T <= S (dynamic_update_slice would clamp the start, not fail). At
-    batch 1 a plain dynamic_update_slice: batched, it becomes a scatter whose bounds check reads
-    every written row first, one more kernel per cache array on the GPU."""
-    new = new.astype(cache_rows.dtype)
-    if cache_rows.shape[0] == 1:
-        return jax.lax.dynamic_update_slice(cache_rows, new, (0, start[0], 0, 0))
-    write = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
-    return jax.vmap(write)(cache_rows, new, start)
-
-
 def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array, *, impl: str = "xla") -> KVCache:
     """Write a verified block's accepted rows at the cache end: row `path[b, i]` of the block goes to
     cache row `lengths[b] + i` (all i < A, in every layer), then `lengths += n_accept`.
@@ -89,7 +76,7 @@ def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array,
 
     impl "pallas" moves every layer's rows in one Pallas kernel, the caches updated in place; XLA
     spends a kernel per cache array. Rows past the new lengths get whatever the path's tail names
-    (they hold anything). The caller keeps lengths + A <= S_max (`_write_rows`)."""
+    (they hold anything). The caller keeps lengths + A <= S_max (`attention.write_cache_rows`)."""
     lengths = cache.lengths + n_accept.astype(jnp.int32)
     if impl == "pallas":
         layers = len(cache.k)
@@ -101,7 +88,7 @@ def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array,
     pick = jax.vmap(lambda rows, p: jnp.take(rows, p, axis=0, mode="clip"))
 
     def write(x, new):  # a small gather that XLA can fuse into the write's update
-        return _write_rows(x, pick(new, path), cache.lengths)
+        return attention.write_cache_rows(x, pick(new, path), cache.lengths)
 
     return cache.replace(
         k=tuple(write(x, new) for x, new in zip(cache.k, block.k)),
@@ -187,6 +174,10 @@ class SelfAttentionProjections(nnx.Module):
         k, v = self.kv(x, rope)
         return rotate(q, *rope), k, v
 
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D]: what `PackedAttentionProjections` computes in one."""
+        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
 
 class PackedAttentionProjections(nnx.Module):
     """`SelfAttentionProjections` with q/k/v as one `PackedLinear` (inference layout)."""
@@ -208,6 +199,10 @@ class PackedAttentionProjections(nnx.Module):
     def kv(self, x, rope: Rope):
         _, k, v = self.qkv(x, rope)
         return k, v
+
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D]."""
+        return self.qkv_proj(x)
 
 
 class MLP(nnx.Module):
@@ -247,6 +242,10 @@ class DecoderLayer(nnx.Module):
     def qkv(self, x, rope: Rope):
         """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
         return self.self_attn.qkv(self.input_layernorm(x), rope)
+
+    def qkv_product(self, x):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D], for an attention that rotates them itself."""
+        return self.self_attn.qkv_product(self.input_layernorm(x))
 
     def finish(self, x, attn_out):
         """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
@@ -348,26 +347,35 @@ class Transformer(nnx.Module):
         T > 1 (tree verification) leaves the cache as it is: the attention takes the block's own K/V
         directly, and `commit` writes the accepted rows. T = 1 (AR decoding, lengths < S_max)
         writes its row at lengths[b] of every layer (committing it is lengths += 1) and, with
-        one_token_attention, takes one attention over cache rows [0, lengths[b] + block_mask[b, 0, 0])
-        after the write: the new key is just the next cache row."""
+        one_token_attention, attends and writes in one call (`attention.decode_attention_and_write`:
+        with impl "pallas" one kernel that also stores the row)."""
         impl = _impl(attn_impl)
         rope = self._rope(positions)
         x = self.embed_tokens(tokens)
         one_row = tokens.shape[1] == 1
         one_token = one_row and self.one_token_attention
-        if one_token:
-            visible = cache.lengths + block_mask[:, 0, 0].astype(jnp.int32)
         cache_k, cache_v, block_k, block_v = [], [], [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            q, k, v = layer.qkv(x, rope)
-            if one_row:
-                # Write first: the attention reads rows < lengths (and, one-token, the new row), and
-                # the updated buffer is the one that lives on, so XLA can update it in place.
-                k_cache = _write_rows(k_cache, k, cache.lengths)
-                v_cache = _write_rows(v_cache, v, cache.lengths)
             if one_token:
-                o = attention.decode_attention(q, k_cache, v_cache, visible, impl=impl)
+                o, k_cache, v_cache = attention.decode_attention_and_write(
+                    layer.qkv_product(x),
+                    rope,
+                    k_cache,
+                    v_cache,
+                    cache.lengths,
+                    block_mask,
+                    num_heads=self.config.num_heads,
+                    impl=impl,
+                )
+                # The block's K/V as written (AR decoding never reads them: XLA drops this then).
+                k, v = _cache_row(k_cache, cache.lengths), _cache_row(v_cache, cache.lengths)
             else:
+                q, k, v = layer.qkv(x, rope)
+                if one_row:
+                    # Write first: the updated buffer is the one that lives on, so XLA can update it
+                    # in place (the attention reads only rows < lengths).
+                    k_cache = attention.write_cache_rows(k_cache, k, cache.lengths)
+                    v_cache = attention.write_cache_rows(v_cache, v, cache.lengths)
                 o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
             x = layer.finish(x, o)
             cache_k.append(k_cache)
@@ -386,6 +394,11 @@ class Transformer(nnx.Module):
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
         return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+
+
+def _cache_row(cache_rows: jax.Array, row: jax.Array) -> jax.Array:
+    """Row row[b] of cache_rows [B,S,H,D] -> [B,1,H,D]."""
+    return jax.vmap(lambda c, r: jax.lax.dynamic_slice_in_dim(c, r, 1, axis=0))(cache_rows, row)
 
 
 def _impl(attn_impl: str | None) -> str:

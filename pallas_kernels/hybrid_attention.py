@@ -9,6 +9,14 @@ with j == num_splits folds the new keys under the mask, one key tile and its mas
 of them empty, into the same online-softmax state. split_combine then merges the num_splits + 1
 partials and writes o in q's layout. Against cache attention, masked attention and an LSE merge
 done apart, this spares the masked kernel, the merge and the transposes around them.
+
+`hybrid_attention_and_write` is AR decoding's step in the same kernel: it takes the model's packed,
+un-rotated q|k|v product and RoPE's cos/sin rows, rotates q and the new keys as it loads them, and
+writes the new keys into the caches at rows [cache_len[b], cache_len[b] + N), the caches being
+outputs aliased to the inputs. The step then needs no slice, rotation or cache-write kernels of
+its own. No program reads what another writes: the cache slices end at row cache_len[b] (masked
+loads past it touch no memory), and only the new-keys program of row block 0 stores, the tiles it
+has just loaded to attend.
 """
 
 from __future__ import annotations
@@ -26,17 +34,35 @@ from pallas_kernels import flash_block as fb
 from pallas_kernels.split_combine import combine_splits
 
 
+def _load_rotated(ref, tokens, heads, cos_ref, sin_ref, ok):
+    """Rows (tokens[r], heads[r]) of ref [T, H, D] rotated by RoPE rows tokens of cos_ref, sin_ref
+    [T, D/2], in ref's dtype; rows not ok read as 0. As rope.rotate: out[:D/2] = x1 cos - x2 sin,
+    out[D/2:] = x2 cos + x1 sin, in float32. Each element's partner (x2 for x1, x1 for x2) is a
+    second load at shifted columns: Triton tiles cannot be split or joined along D."""
+    d = ref.shape[-1]
+    half = d // 2
+    cols = jnp.arange(d, dtype=jnp.int32)
+    partner_cols = lax.rem(cols + half, jnp.int32(d))
+    freq_cols = lax.rem(cols, jnp.int32(half))
+    rows_ok = ok[:, None]
+
+    def load(indexed):
+        return plgpu.load(indexed, mask=rows_ok, other=0.0).astype(jnp.float32)
+
+    x = load(ref.at[tokens[:, None], heads[:, None], cols[None, :]])
+    partner = load(ref.at[tokens[:, None], heads[:, None], partner_cols[None, :]])
+    cos = load(cos_ref.at[tokens[:, None], freq_cols[None, :]])
+    sin = load(sin_ref.at[tokens[:, None], freq_cols[None, :]])
+    sign = jnp.where(cols < half, jnp.float32(-1.0), jnp.float32(1.0))
+    return (x * cos + partner * sign[None, :] * sin).astype(ref.dtype)
+
+
 def _hybrid_kernel(
     len_ref,
     q_ref,
     k_ref,
     v_ref,
-    k_new_ref,
-    v_new_ref,
-    mask_ref,
-    o_ref,
-    lse_ref,
-    *,
+    *refs,
     scale,
     block_rows,
     block_keys,
@@ -45,26 +71,54 @@ def _hybrid_kernel(
     num_rows,
     num_new,
     num_splits,
+    packed_heads,
 ):
     """One row block of one (batch, KV head) against one cache slice, or (the last split index)
-    against the new keys."""
+    against the new keys.
+
+    Plain: refs = (k_new, v_new [N, D], mask [T, N], o, lse). Packed (packed_heads = (Hq, Hkv)):
+    q_ref is the q|k|v product [T, Hq + 2 Hkv, D] before RoPE, refs = (cos, sin [T, D/2], mask,
+    o, lse, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's new-keys program stores the
+    rotated new keys and their values at rows [cache_len, cache_len + N)."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    q = fb.load_query_rows(q_ref, query, head, row_ok)
+    if packed_heads:
+        cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
+        q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, row_ok)
+        num_heads, num_kv_heads = packed_heads
+    else:
+        k_new_ref, v_new_ref, mask_ref, o_ref, lse_ref = refs
+        q = fb.load_query_rows(q_ref, query, head, row_ok)
     j = pl.program_id(3)
+    length = len_ref[()]
+    # Program ids are read outside the loop: the interpreter has none inside one.
+    kv_head = pl.program_id(1)
+    writes = pl.program_id(2) == 0
     state = fb.empty_state(block_rows, q.shape[-1])
     # j == num_splits lies past every cache slice: the cache loop runs no iteration there.
-    state = split.fold_cache_split(state, q, k_ref, v_ref, len_ref[()], j, num_splits, block_keys, scale)
+    state = split.fold_cache_split(state, q, k_ref, v_ref, length, j, num_splits, block_keys, scale)
 
     def fold_new_tile(i, state):
         key0 = i * new_block_keys
         keys = key0 + jnp.arange(new_block_keys)
         key_ok = keys < num_new
-        k = fb.load_rows(k_new_ref, key0, new_block_keys, key_ok)
-        v = fb.load_rows(v_new_ref, key0, new_block_keys, key_ok)
+        if packed_heads:
+            k_head = jnp.full((new_block_keys,), num_heads, jnp.int32) + kv_head
+            k = _load_rotated(q_ref, keys, k_head, cos_ref, sin_ref, key_ok)
+            cols = jnp.arange(q_ref.shape[-1])[None, :]
+            v_rows = q_ref.at[keys[:, None], (k_head + num_kv_heads)[:, None], cols]
+            v = plgpu.load(v_rows, mask=key_ok[:, None], other=0.0)
+        else:
+            k = fb.load_rows(k_new_ref, key0, new_block_keys, key_ok)
+            v = fb.load_rows(v_new_ref, key0, new_block_keys, key_ok)
         # The mask row of query t serves all G rows of t (mask_ref [T, N] int8).
         allowed = plgpu.load(
             mask_ref.at[query[:, None], keys[None, :]], mask=row_ok[:, None] & key_ok[None, :], other=0
         )
+        if packed_heads:
+            # Rows past the capacity are dropped, never written out of bounds.
+            store_ok = key_ok & writes & (length + keys < k_ref.shape[0])
+            for out_ref, rows in zip(cache_out_refs, (k, v)):
+                plgpu.store(out_ref.at[pl.ds(length + key0, new_block_keys), :], rows, mask=store_ok[:, None])
         return fb.online_softmax_step(state, q, k, v, allowed != 0, scale)
 
     # Typed scalars: the Triton lowering gives a select's untyped literals the predicate's type (i1).
@@ -74,15 +128,25 @@ def _hybrid_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys", "num_splits", "num_warps", "num_stages")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "interpret",
+        "block_rows",
+        "block_keys",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "packed_heads",
+    ),
 )
 def _hybrid_attention(
     q,
     k_cache,
     v_cache,
     cache_len,
-    k_new,
-    v_new,
+    new_a,
+    new_b,
     mask,
     *,
     scale,
@@ -92,10 +156,20 @@ def _hybrid_attention(
     num_splits,
     num_warps,
     num_stages,
+    packed_heads,
 ):
+    """Plain: q [B,T,Hq,D], (new_a, new_b) = (k_new, v_new) -> o. Packed (packed_heads = (Hq, Hkv)):
+    q is the q|k|v product [B,T,Hq + 2 Hkv,D] before RoPE, (new_a, new_b) = (cos, sin) [B,T,D/2]
+    -> (o, k_cache, v_cache)."""
     b, t, _, d = q.shape
-    n, hkv = k_new.shape[1], k_new.shape[2]
-    group, rows, block_rows, row_blocks, num_splits = split.split_grid(q, k_cache, block_rows, block_keys, num_splits)
+    hkv = k_cache.shape[2]
+    if packed_heads:
+        n, queries = t, jax.ShapeDtypeStruct((b, t, packed_heads[0], d), q.dtype)
+    else:
+        n, queries = new_a.shape[1], q
+    group, rows, block_rows, row_blocks, num_splits = split.split_grid(
+        queries, k_cache, block_rows, block_keys, num_splits
+    )
     kernel = functools.partial(
         _hybrid_kernel,
         scale=scale,
@@ -106,26 +180,41 @@ def _hybrid_attention(
         num_rows=rows,
         num_new=n,
         num_splits=num_splits,
+        packed_heads=packed_heads,
     )
     mask_int8 = mask.astype(jnp.int8)  # Triton has no byte-addressable bool pointers
-    in_specs, out_specs, out_shape = split.split_specs(q, k_cache, num_splits + 1, rows)
-    in_specs += [
-        pl.BlockSpec((None, n, None, d), lambda i, h, r, j: (i, 0, h, 0)),
-        pl.BlockSpec((None, n, None, d), lambda i, h, r, j: (i, 0, h, 0)),
-        pl.BlockSpec((None, t, n), lambda i, h, r, j: (i, 0, 0)),
-    ]
-    o_parts, lse_parts = pl.pallas_call(
+    in_specs, out_specs, out_shape = split.split_specs(queries, k_cache, num_splits + 1, rows)
+    aliases = {}
+    if packed_heads:
+        in_specs[1] = pl.BlockSpec((None, t, q.shape[2], d), lambda i, h, r, j: (i, 0, 0, 0))
+        in_specs += [pl.BlockSpec((None, t, d // 2), lambda i, h, r, j: (i, 0, 0))] * 2
+        # Inputs 2 and 3 (k_cache, v_cache) are outputs 2 and 3: updated in place, no copy.
+        out_specs += in_specs[2:4]
+        out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_cache, v_cache)]
+        aliases = {2: 2, 3: 3}
+    else:
+        in_specs += [pl.BlockSpec((None, n, None, d), lambda i, h, r, j: (i, 0, h, 0))] * 2
+    in_specs.append(pl.BlockSpec((None, t, n), lambda i, h, r, j: (i, 0, 0)))
+    o_parts, lse_parts, *caches = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits + 1),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="hybrid_split_k_attn",
-    )(split.valid_lengths(cache_len, k_cache), q, k_cache, v_cache, k_new, v_new, mask_int8)
+        name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
+    )(split.valid_lengths(cache_len, k_cache), q, k_cache, v_cache, new_a, new_b, mask_int8)
     o, _ = combine_splits(o_parts, lse_parts, num_queries=t, out_dtype=q.dtype, with_lse=False, interpret=interpret)
-    return o
+    return (o, *caches) if packed_heads else o
+
+
+def _check_mask_and_lengths(mask, cache_len, b, t, n):
+    if mask.shape != (b, t, n):
+        raise ValueError(f"hybrid_attention: mask must be [B,T,N] = {(b, t, n)}, got {mask.shape}")
+    if cache_len.shape != (b,):
+        raise ValueError(f"hybrid_attention: cache_len must be int32[B={b}], got {cache_len.shape}")
 
 
 def hybrid_attention(
@@ -159,14 +248,7 @@ def hybrid_attention(
             f"hybrid_attention: new keys {k_new.shape} {k_new.dtype} must match the cache's KV heads and "
             f"dtype ({k_cache.shape}, {k_cache.dtype})"
         )
-    if mask.shape != (q.shape[0], q.shape[1], k_new.shape[1]):
-        raise ValueError(
-            f"hybrid_attention: mask must be [B,T,N] = {(q.shape[0], q.shape[1], k_new.shape[1])}, got {mask.shape}"
-        )
-    if cache_len.shape != (q.shape[0],):
-        raise ValueError(f"hybrid_attention: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    interpret = fb.default_interpret() if interpret is None else interpret
+    _check_mask_and_lengths(mask, cache_len, q.shape[0], q.shape[1], k_new.shape[1])
     return _hybrid_attention(
         q,
         k_cache,
@@ -175,11 +257,70 @@ def hybrid_attention(
         k_new,
         v_new,
         mask,
-        scale=scale,
-        interpret=interpret,
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        interpret=fb.default_interpret() if interpret is None else interpret,
         block_rows=block_rows,
         block_keys=block_keys,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        packed_heads=None,
+    )
+
+
+def hybrid_attention_and_write(
+    qkv,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    cache_len,
+    mask,
+    *,
+    num_heads,
+    scale=None,
+    interpret=None,
+    block_rows=128,
+    block_keys=64,
+    num_splits=None,
+    num_warps=8,
+    num_stages=3,
+):
+    """A block whose new keys are its own tokens (AR decoding's one-token step), straight from the
+    model's q|k|v product: qkv [B,T,Hq + 2 Hkv,D] (q heads, then k, then v; no RoPE yet, in the
+    caches' dtype), cos, sin float32 [B,T,D/2] (rope.rope_tables at the tokens' positions).
+
+    Rotates q and k (rope.rotate's layout), attends as `hybrid_attention` with N = T (new key i is
+    token i) and writes the rotated k and v of the T tokens at rows [cache_len[b], cache_len[b] + T)
+    of the caches (rows past the capacity S are dropped; every other row stays as it was). Returns
+    (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache); the caches are updated in place when the caller
+    donates them (as a decode loop's carried state is)."""
+    b, t, heads, d = qkv.shape
+    hkv = k_cache.shape[2]
+    queries = jax.ShapeDtypeStruct((b, t, num_heads, d), qkv.dtype)
+    fb.check_grouped_shapes(queries, k_cache, v_cache, "hybrid_attention_and_write")
+    if heads != num_heads + 2 * hkv or qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"hybrid_attention_and_write: qkv {qkv.shape} {qkv.dtype} must hold {num_heads} + 2 x {hkv} heads "
+            f"in the caches' dtype ({k_cache.dtype}, {v_cache.dtype})"
+        )
+    if cos.shape != (b, t, d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"hybrid_attention_and_write: cos, sin must be [B,T,D/2] = {(b, t, d // 2)}, got {cos.shape}")
+    _check_mask_and_lengths(mask, cache_len, b, t, t)
+    return _hybrid_attention(
+        qkv,
+        k_cache,
+        v_cache,
+        cache_len,
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
+        mask,
+        scale=float(d**-0.5 if scale is None else scale),
+        interpret=fb.default_interpret() if interpret is None else interpret,
+        block_rows=block_rows,
+        block_keys=block_keys,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        packed_heads=(num_heads, hkv),
     )

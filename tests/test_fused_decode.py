@@ -186,11 +186,49 @@ def test_decode_attention_matches_float64_reference(impl):
     np.testing.assert_allclose(np.asarray(o), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_attention_and_write_matches_float64_reference(impl):
+    """From the un-rotated q|k|v product: the rotated k and the v of the new token land at row
+    lengths[b] (other rows untouched) and o is attention of the rotated q over rows [0, lengths[b])
+    plus the new key where the token sees itself; an empty cache, a token that does not see
+    itself, the cache's last row."""
+    rng = np.random.default_rng(9)
+    b, hq, hkv, s, d = 3, 6, 2, 70, 64
+    qkv = rng.standard_normal((b, 1, hq + 2 * hkv, d), np.float32)
+    k, v = (rng.standard_normal((b, s, hkv, d), np.float32) for _ in range(2))
+    lengths = np.asarray([0, 33, s - 1], np.int32)
+    self_mask = np.asarray([True, False, True])[:, None, None]
+    angles = rng.uniform(0, 100, (b, 1, 1, d // 2))
+    cos, sin = np.cos(angles), np.sin(angles)
+    rope = (jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32))
+    o, k_out, v_out = attention.decode_attention_and_write(
+        jnp.asarray(qkv.reshape(b, 1, -1)),
+        rope,
+        *(jnp.asarray(x) for x in (k, v, lengths, self_mask)),
+        num_heads=hq,
+        impl=impl,
+    )
+    x1, x2 = np.split(qkv[:, :, : hq + hkv].astype(np.float64), 2, axis=-1)
+    qk = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    k_want, v_want = k.copy(), v.copy()
+    k_want[np.arange(b), lengths] = qk[:, 0, hq:]
+    v_want[np.arange(b), lengths] = qkv[:, 0, hq + hkv :]
+    np.testing.assert_allclose(np.asarray(k_out), k_want, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(v_out), v_want)
+    ref, _ = attention_reference(qk[:, :, :hq], k_want, v_want, cache_visibility(lengths + self_mask[:, 0, 0], 1, s))
+    assert o.shape == (b, 1, hq, d) and o.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(o), ref, atol=2e-5, rtol=2e-5)
+
+
 def test_decode_attention_refuses_a_block():
     q = jnp.zeros((1, 2, 4, 16))
     kv = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(UserError, match="one query per sequence"):
         attention.decode_attention(q, kv, kv, jnp.asarray([3]))
+    with pytest.raises(UserError, match="one token per sequence"):
+        attention.decode_attention_and_write(
+            jnp.zeros((1, 2, 128)), (q, q), kv, kv, jnp.asarray([3]), jnp.ones((1, 2, 2), bool), num_heads=4
+        )
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.hybrid_attention import hybrid_attention
+from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from pallas_kernels.split_combine import combine_splits
 
@@ -51,6 +51,71 @@ def test_hybrid_kernel_matches_attention_over_concatenated_keys(b, t, hq, hkv, s
     assert o.shape == case[0].shape and o.dtype == np.float32
     assert np.isfinite(o).all(), "o has NaN/inf: an element was not written or an empty slice blew up"
     np.testing.assert_allclose(o, want, **TOL)
+
+
+def with_rows_written(cache, new, lengths):
+    """cache [B,S,H,D] with new [B,N,H,D] at rows [lengths[b], lengths[b] + N), as NumPy."""
+    out = cache.copy()
+    for b, n in enumerate(lengths):
+        out[b, n : n + new.shape[1]] = new[b]
+    return out
+
+
+def rotated(x, cos, sin):
+    """RoPE (rotate-half) in float64: x [B,T,H,D], cos/sin [B,T,D/2]."""
+    x, cos, sin = (np.asarray(a, np.float64) for a in (x, cos[:, :, None], sin[:, :, None]))
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+# (B, T, S, cache lengths, self-visibility of the one-token steps, kernel options): one-token
+# steps (AR decoding) with an empty cache next to a long one, one that fills the cache's last row,
+# a token that does not see itself; a 3-token block under a tree mask whose new rows cross a
+# 16-key tile edge.
+WRITE_CASES = [
+    (2, 1, 150, [0, 131], [True, True], dict(num_splits=3)),
+    (2, 1, 64, [63, 7], [True, False], dict(num_splits=None)),
+    (2, 3, 80, [14, 40], None, dict(num_splits=2, block_rows=16, block_keys=16)),
+]
+
+
+@pytest.mark.parametrize("b,t,s,lengths,sees_itself,options", WRITE_CASES)
+def test_packed_kernel_rotates_attends_and_writes_the_new_rows(b, t, s, lengths, sees_itself, options):
+    """From the un-rotated q|k|v product: the rows written at [len, len + T) are the rotated k
+    (to float32 rounding of the rotation) and v (exactly), every other cache row is untouched, and
+    o is attention of the rotated q over cache rows [0, len) plus the rotated new keys under the
+    mask (float64 reference)."""
+    hq, hkv, d = 9, 3, 64
+    rng = np.random.default_rng([b, t, s])
+    _, k_cache, v_cache, lengths, _, _, mask = hybrid_inputs(rng, b, t, hq, hkv, s, d, lengths)
+    if sees_itself is not None:
+        mask = np.asarray(sees_itself)[:, None, None]
+    qkv = rng.standard_normal((b, t, hq + 2 * hkv, d), np.float32)
+    angles = rng.uniform(0, 100, (b, t, d // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    o, k_out, v_out = hybrid_attention_and_write(
+        *(jnp.asarray(x) for x in (qkv, cos, sin, k_cache, v_cache, lengths, mask)), num_heads=hq, **options
+    )
+    q, k_new = rotated(qkv[:, :, :hq], cos, sin), rotated(qkv[:, :, hq : hq + hkv], cos, sin)
+    v_new = qkv[:, :, hq + hkv :]
+    np.testing.assert_allclose(np.asarray(k_out), with_rows_written(k_cache, k_new, lengths), rtol=0, atol=1e-6)
+    written = np.zeros(k_cache.shape[:2], bool)
+    for row, n in enumerate(lengths):
+        written[row, n : n + t] = True
+    np.testing.assert_array_equal(np.asarray(k_out)[~written], k_cache[~written])
+    np.testing.assert_array_equal(np.asarray(v_out), with_rows_written(v_cache, v_new, lengths))
+    want, _ = concatenated_reference(q, k_cache, v_cache, lengths, k_new, v_new, mask)
+    assert o.shape == (b, t, hq, d) and np.isfinite(np.asarray(o)).all()
+    np.testing.assert_allclose(np.asarray(o), want, **TOL)
+
+
+def test_packed_kernel_rejects_bad_shapes():
+    z = lambda *shape: jnp.zeros(shape, jnp.float32)
+    args = (z(1, 1, 10, 64), z(1, 1, 32), z(1, 1, 32), z(1, 8, 2, 64), z(1, 8, 2, 64), jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match="must hold 4 \\+ 2 x 2 heads"):
+        hybrid_attention_and_write(*args, jnp.ones((1, 1, 1), bool), num_heads=4)
+    with pytest.raises(ValueError, match="mask must be"):
+        hybrid_attention_and_write(*args, jnp.ones((1, 1, 2), bool), num_heads=6)
 
 
 def test_hybrid_kernel_row_that_sees_nothing_is_zero():

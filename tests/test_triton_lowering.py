@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.commit_rows import commit_rows
-from pallas_kernels.hybrid_attention import hybrid_attention
+from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.tree_attention import masked_attention
 
 
@@ -51,6 +51,13 @@ def assert_valid_modules(modules, names) -> None:
 SHAPES = [(1, 21, 9, 3, 4608, 64), (2, 1, 9, 3, 4608, 64), (1, 74, 32, 8, 32768, 128)]
 KERNELS = {
     "hybrid": ({"hybrid_split_k_attn", "split_k_combine"}, hybrid_attention, "q kc vc len kn vn mask"),
+    "hybrid_write": (
+        {"hybrid_split_k_attn_write", "split_k_combine"},
+        lambda qkv, *rest, interpret: hybrid_attention_and_write(
+            qkv, *rest, num_heads=qkv.shape[2] - 2 * rest[2].shape[2], interpret=interpret
+        ),
+        "qkv cos sin kc vc len mask",
+    ),
     "cache": ({"cache_split_k_attn", "split_k_combine"}, cache_attention, "q kc vc len"),
     "masked": ({"fused_mask_attn"}, masked_attention, "q kn vn mask"),
 }
@@ -69,6 +76,9 @@ def test_kernels_lower_to_valid_triton_modules(lowered_modules, kernel, b, t, hq
         "kn": jax.ShapeDtypeStruct((b, t, hkv, d), bf16),
         "vn": jax.ShapeDtypeStruct((b, t, hkv, d), bf16),
         "mask": jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
+        "qkv": jax.ShapeDtypeStruct((b, t, hq + 2 * hkv, d), bf16),
+        "cos": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
+        "sin": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
     }
     lower_for_cuda(lambda *args: fn(*args, interpret=False), *(shapes[a] for a in arg_names.split()))
     assert_valid_modules(lowered_modules, names)
