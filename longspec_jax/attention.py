@@ -10,7 +10,8 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
 - `decode_attention_and_write`: AR decoding's one-token step from the packed, un-rotated q|k|v
   product: rotates, writes the token's K/V row into the cache and attends rows [0, len] (with
-  "pallas" all in the fused kernel, whose outputs include the caches, aliased to its inputs).
+  "pallas" all in the fused kernel, whose outputs include the caches, aliased to its inputs). With
+  "pallas" it also takes a block of tokens under a mask (tree verification), written likewise.
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `masked_self_attention`: the draft's inference self-attention, a few queries against its
@@ -386,21 +387,24 @@ def decode_attention_and_write(
     """AR decoding's attention of one new token per sequence, from the model's q|k|v product, its
     K/V written into the cache.
 
-    qkv [B,1,(Hq + 2 Hkv) * D]: q, k and v of the token before RoPE; rope: `rope.rope_tables`'
-    (cos, sin) at its position. The rotated q attends cache rows [0, lengths[b]) of k_cache/v_cache
-    [B,S,Hkv,D] plus its own key where self_mask bool[B,1,1] is True, and the rotated k and v go to
-    row lengths[b] (the caller keeps lengths < S). Returns (o [B,1,Hq,D] in qkv.dtype, k_cache,
-    v_cache).
+    qkv [B,T,(Hq + 2 Hkv) * D]: q, k and v of the tokens before RoPE; rope: `rope.rope_tables`'
+    (cos, sin) at their positions. The rotated q attends cache rows [0, lengths[b]) of
+    k_cache/v_cache [B,S,Hkv,D] plus the block's own keys where self_mask bool[B,T,T] is True, and
+    the rotated k and v go to rows [lengths[b], lengths[b] + T) (the caller keeps lengths + T <= S).
+    Returns (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache). T > 1 (a verified tree) needs "pallas".
 
-    "pallas": one fused kernel rotates, attends and writes the row (the caches are its outputs,
+    "pallas": one fused kernel rotates, attends and writes the rows (the caches are its outputs,
     aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
-    "xla" / "cudnn" split and rotate, write the row, then attend rows [0, lengths[b] + self_mask[b])
-    (`decode_attention`)."""
+    "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
+    [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "decode_attention_and_write")
     b, t, width = qkv.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    if t != 1:
-        raise UserError(f"decode_attention_and_write takes one token per sequence, got {t}: use hybrid_tree_attention")
+    if t != 1 and impl != "pallas":
+        raise UserError(
+            f"decode_attention_and_write takes one token per sequence under impl {impl!r}, got {t}: "
+            "use hybrid_tree_attention"
+        )
     qkv = qkv.reshape(b, t, width // d, d)
     cos, sin = rope
     if impl == "pallas":

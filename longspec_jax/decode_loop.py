@@ -6,12 +6,14 @@ A round, for every sequence of the batch at once (docs/ALGORITHM.md 5):
      alone, so an AR round is one decode step;
   2. verify: one target `forward_block` over the N tree nodes at positions root position + depth
      under the tree mask (hybrid tree attention: the cache plus the nodes' own K/V), which returns
-     the nodes' K/V and leaves the cache as it is (a root-only tree writes its row: AR decoding);
+     the nodes' K/V, or with the Pallas kernels writes them past the cache end (a root-only tree
+     writes its row there: AR decoding);
   3. accept: the target's pick at every node (`sampling.pick_token`: argmax when greedy, an exact
      sample otherwise; one program for both), then the walk down the tree (acceptance.py), cut at
      the first EOS / at max_new_tokens;
   4. commit: the K/V of the root and the kept nodes are written in path order at the cache end,
-     straight from the verified nodes' K/V (model.commit); the last kept token is the next root;
+     from the verified nodes' K/V wherever verify left them (model.commit); the last kept token is
+     the next root;
      the proposer is told what was kept.
 Finished sequences still ride along through the forwards (static shapes) but keep nothing.
 
@@ -85,8 +87,9 @@ def propose(config: LoopConfig, proposer_params, model: Transformer, state: Loop
 
 
 def verify(config: LoopConfig, model: Transformer, tree: Tree, cache: KVCache):
-    """-> (target logits float32[B, N, V] at every node, the cache, the nodes' BlockKV). The cache
-    is unchanged but for a root-only tree, whose row it holds after its end (`forward_block`)."""
+    """-> (target logits float32[B, N, V] at every node, the cache, the nodes' BlockKV). Rows up to
+    the cache's lengths are unchanged; past them it may hold the nodes' rows (a root-only tree's
+    always, a larger tree's with impl "pallas": `forward_block`)."""
     positions = cache.lengths[:, None] + jnp.asarray(node_depths(tree.widths))[None, :]
     return model.forward_block(tree.tokens, positions, tree.mask, cache, attn_impl=config.attn_impl)
 

@@ -12,9 +12,12 @@ RoPE's cos/sin once for all layers: a small model's decode step costs about one 
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
 (with the Pallas kernels, one kernel and its combine: no cache-write kernels). A larger block (tree
-verification) attends the cache rows before it plus its own K/V, which it returns (`BlockKV`)
-instead of writing them into the cache: `commit` then writes only the accepted rows, straight from
-the block, one write per cache array.
+verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
+accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
+rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
+`commit` moves the accepted rows down within the cache in one kernel. Otherwise the block's K/V
+come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per
+cache array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
@@ -55,11 +58,17 @@ class KVCache:
 
 @struct.dataclass
 class BlockKV:
-    """The K/V of `forward_block`'s T tokens: one `[B, T, Hkv, D]` array per layer in k (after
-    RoPE) and v. `commit` writes the accepted rows from it into the cache."""
+    """Where the K/V of `forward_block`'s T tokens are: one `[B, T, Hkv, D]` array per layer in k
+    (after RoPE) and v, or k = v = None when they are in the cache itself, at rows
+    [lengths[b], lengths[b] + T) of every layer (past its end: not part of the sequence yet).
+    `commit` writes the accepted rows from either into place."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | None
+    v: tuple[jax.Array, ...] | None
+
+    @property
+    def in_cache(self) -> bool:
+        return self.k is None
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
@@ -75,13 +84,16 @@ def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array,
     block: `forward_block`'s K/V of the block; path: int32[B, A]; n_accept: int32[B] (<= A).
 
     impl "pallas" moves every layer's rows in one Pallas kernel, the caches updated in place; XLA
-    spends a kernel per cache array. Rows past the new lengths get whatever the path's tail names
-    (they hold anything). The caller keeps lengths + A <= S_max (`attention.write_cache_rows`)."""
+    spends a kernel per cache array. A block in the cache (what `forward_block` returns under
+    "pallas") always takes the kernel: its rows move from cache row `lengths[b] + path[b, i]`.
+    Rows past the new lengths get whatever the path's tail names (they hold anything). The caller
+    keeps lengths + A <= S_max (`attention.write_cache_rows`)."""
     lengths = cache.lengths + n_accept.astype(jnp.int32)
-    if impl == "pallas":
+    if impl == "pallas" or block.in_cache:
         layers = len(cache.k)
+        blocks = None if block.in_cache else (*block.k, *block.v)
         try:
-            rows = commit_rows((*cache.k, *cache.v), (*block.k, *block.v), path, cache.lengths)
+            rows = commit_rows((*cache.k, *cache.v), blocks, path, cache.lengths)
         except ValueError as err:  # shapes the kernel cannot take: the caller's to fix
             raise UserError(str(err)) from err
         return cache.replace(k=rows[:layers], v=rows[layers:], lengths=lengths)
@@ -344,19 +356,24 @@ class Transformer(nnx.Module):
         plus each other under block_mask bool[B,T,T]. Returns (float32[B,T,V] logits, cache,
         BlockKV of the T tokens); lengths unchanged.
 
-        T > 1 (tree verification) leaves the cache as it is: the attention takes the block's own K/V
-        directly, and `commit` writes the accepted rows. T = 1 (AR decoding, lengths < S_max)
-        writes its row at lengths[b] of every layer (committing it is lengths += 1) and, with
-        one_token_attention, attends and writes in one call (`attention.decode_attention_and_write`:
-        with impl "pallas" one kernel that also stores the row)."""
+        T > 1 (tree verification): the attention takes the block's own K/V directly and `commit`
+        keeps the accepted rows. With impl "pallas" the block is written at rows [lengths[b],
+        lengths[b] + T) of every layer by the attention kernel itself (the caller keeps
+        lengths + T <= S_max; rows past lengths hold anything, so nothing reads them) and the
+        BlockKV says so; otherwise the cache is left as it is and the BlockKV holds the block's K/V.
+        T = 1 (AR decoding, lengths < S_max) writes its row at lengths[b] of every layer
+        (committing it is lengths += 1) and, with one_token_attention, attends and writes in one
+        call (`attention.decode_attention_and_write`: with impl "pallas" one kernel that also
+        stores the row)."""
         impl = _impl(attn_impl)
         rope = self._rope(positions)
         x = self.embed_tokens(tokens)
         one_row = tokens.shape[1] == 1
         one_token = one_row and self.one_token_attention
+        block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            if one_token:
+            if one_token or block_in_cache:
                 o, k_cache, v_cache = attention.decode_attention_and_write(
                     layer.qkv_product(x),
                     rope,
@@ -367,8 +384,9 @@ class Transformer(nnx.Module):
                     num_heads=self.config.num_heads,
                     impl=impl,
                 )
-                # The block's K/V as written (AR decoding never reads them: XLA drops this then).
-                k, v = _cache_row(k_cache, cache.lengths), _cache_row(v_cache, cache.lengths)
+                if one_token:  # the row as written (AR decoding never reads it: XLA drops this then)
+                    block_k.append(_cache_row(k_cache, cache.lengths))
+                    block_v.append(_cache_row(v_cache, cache.lengths))
             else:
                 q, k, v = layer.qkv(x, rope)
                 if one_row:
@@ -377,13 +395,14 @@ class Transformer(nnx.Module):
                     k_cache = attention.write_cache_rows(k_cache, k, cache.lengths)
                     v_cache = attention.write_cache_rows(v_cache, v, cache.lengths)
                 o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
+                block_k.append(k)
+                block_v.append(v)
             x = layer.finish(x, o)
             cache_k.append(k_cache)
             cache_v.append(v_cache)
-            block_k.append(k)
-            block_v.append(v)
         cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
-        return self.lm_logits(self.norm(x)), cache, BlockKV(k=tuple(block_k), v=tuple(block_v))
+        block = BlockKV(k=None, v=None) if block_in_cache else BlockKV(k=tuple(block_k), v=tuple(block_v))
+        return self.lm_logits(self.norm(x)), cache, block
 
     def last_layer_kv(self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None):
         """The draft's training input: the last layer's k (after RoPE) and v, each [B,L,Hkv,D].

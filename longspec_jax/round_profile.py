@@ -55,8 +55,8 @@ def _repeat_propose(params, proposer_params, state, proposal, n, *, config):
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def _repeat_verify(params, tree, cache, n, *, config):
-    """-> (logits, cache, block) of the last repetition (a root-only tree writes its row to the
-    same place each time; a larger one leaves the cache as it is)."""
+    """-> (logits, cache, block) of the last repetition (the tree's rows, where verify writes them
+    into the cache, go to the same place each time)."""
     model = nnx.merge(config.graphdef, params)
 
     def body(_, carry):

@@ -97,6 +97,66 @@ def test_model_commit_pallas_matches_xla():
         np.testing.assert_array_equal(as_f32(g), as_f32(w))
 
 
+def expected_move(caches, path, lengths):
+    """Row clip(lengths[b] + path[b, i], 0, S - 1) to row clip(lengths[b], 0, S - A) + i of each
+    cache, every row read before any is written (the XLA gather, then the write)."""
+    out = [np.array(c, np.float32) for c in caches]
+    s, a = out[0].shape[1], path.shape[1]
+    for o in out:
+        for b in range(path.shape[0]):
+            src = np.clip(int(lengths[b]) + np.asarray(path[b]), 0, s - 1)
+            start = min(max(int(lengths[b]), 0), s - a)
+            o[b, start : start + a] = o[b, src].copy()
+    return out
+
+
+# Sequence 0 walks a tree that skips nodes, its tail past n_accept back at node 0 (as acceptance
+# leaves it); sequence 1 keeps every node but the first branch. Then a start past S - A (clamped)
+# with a source row past the cache (clipped).
+@pytest.mark.parametrize(
+    "path,lengths", [([[0, 2, 5, 0, 0], [0, 1, 3, 4, 6]], [3, 11]), ([[0, 3, 1, 4, 2], [0, 2, 4, 6, 8]], [28, 0])]
+)
+def test_kernel_moves_rows_within_the_caches(path, lengths):
+    """blocks=None: the verified rows already sit at [lengths, lengths + T) of each cache; the
+    accepted ones move down to [lengths, lengths + A), in place, source rows read before they are
+    overwritten (lane i reads row lengths + path[i], which lane path[i] writes)."""
+    rng = np.random.default_rng(4)
+    b, s, h, d, layers = 2, 32, 3, 64, 2
+    caches = random_arrays(rng, 2 * layers, (b, s, h, d), jnp.bfloat16)
+    path, lengths = jnp.asarray(path, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    a = path.shape[1]
+
+    out = commit_rows(caches, None, path, lengths, interpret=True)
+
+    want = expected_move(caches, path, lengths)
+    for got, w, old in zip(out, want, caches):
+        assert got.dtype == old.dtype and got.shape == old.shape
+        np.testing.assert_array_equal(as_f32(got), w)
+        for seq in range(b):
+            start = min(int(lengths[seq]), s - a)
+            untouched = np.ones(s, bool)
+            untouched[start : start + a] = False
+            np.testing.assert_array_equal(as_f32(got)[seq, untouched], as_f32(old)[seq, untouched])
+            assert not np.array_equal(as_f32(got)[seq, ~untouched], as_f32(old)[seq, ~untouched])
+
+
+def test_model_commit_takes_a_block_in_the_cache_through_the_kernel():
+    """A BlockKV without arrays (the block in the cache at [lengths, lengths + T)) takes the kernel
+    whatever impl says: the rows move within the cache and lengths grow by n_accept."""
+    rng = np.random.default_rng(5)
+    b, s, h, d, layers = 2, 24, 3, 64, 2
+    caches = random_arrays(rng, 2 * layers, (b, s, h, d), jnp.bfloat16)
+    cache = KVCache(k=caches[:layers], v=caches[layers:], lengths=jnp.asarray([2, 9], jnp.int32))
+    path = jnp.asarray([[0, 1, 4], [0, 3, 0]], jnp.int32)
+    n_accept = jnp.asarray([3, 2], jnp.int32)
+    want = expected_move(caches, path, cache.lengths)
+    for impl in ("pallas", "xla"):
+        got = commit(cache, BlockKV(k=None, v=None), path, n_accept, impl=impl)
+        np.testing.assert_array_equal(np.asarray(got.lengths), [5, 11])
+        for g, w in zip(got.k + got.v, want):
+            np.testing.assert_array_equal(as_f32(g), w)
+
+
 def shapes(b=2, s=16, h=3, d=64, t=5, a=3, layers=2):
     caches = [jnp.zeros((b, s, h, d), jnp.bfloat16)] * (2 * layers)
     blocks = [jnp.zeros((b, t, h, d), jnp.bfloat16)] * (2 * layers)
@@ -114,6 +174,8 @@ def bad_inputs():
     yield "path batch", (caches, blocks, jnp.zeros((3, 3), jnp.int32), lengths)
     yield "path longer than cache", (caches, blocks, jnp.zeros((2, 17), jnp.int32), lengths)
     yield "lengths shape", (caches, blocks, path, jnp.zeros((2, 1), jnp.int32))
+    yield "in cache: path longer than cache", (caches, None, jnp.zeros((2, 17), jnp.int32), lengths)
+    yield "in cache: lengths shape", (caches, None, path, jnp.zeros((3,), jnp.int32))
 
 
 @pytest.mark.parametrize("name,args", list(bad_inputs()), ids=[n for n, _ in bad_inputs()])

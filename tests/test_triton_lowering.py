@@ -107,3 +107,15 @@ def test_commit_rows_lowers_to_a_valid_triton_module(lowered_modules, b, layers,
         lengths,
     )
     assert_valid_modules(lowered_modules, {"commit_rows"})
+
+
+@pytest.mark.parametrize("b,layers,t,a,s,hkv,d,block_dtype", COMMIT_SHAPES[::2])
+def test_commit_rows_in_cache_lowers_to_a_valid_triton_module(lowered_modules, b, layers, t, a, s, hkv, d, block_dtype):
+    """The in-cache move (the rows the attention kernel wrote past the cache end), with its barrier."""
+    del t, block_dtype
+    caches = [jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16)] * (2 * layers)
+    path, lengths = jax.ShapeDtypeStruct((b, a), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)
+    n = 2 * layers
+    lower_for_cuda(lambda *args: commit_rows(args[:n], None, *args[n:], interpret=False), *caches, path, lengths)
+    assert_valid_modules(lowered_modules, {"commit_rows_in_cache"})
+    assert any("barrier" in str(module) for module in lowered_modules)
