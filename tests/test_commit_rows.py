@@ -213,3 +213,22 @@ def test_gpu_compiled_kernel_matches_xla_commit():
 
     for g, w in zip(got.k + got.v, want):
         np.testing.assert_array_equal(as_f32(g), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+def test_gpu_compiled_in_cache_move_matches_numpy():
+    """The compiled in-cache move at SmolLM2's shapes, caches donated: lanes read rows other lanes
+    write, so only the barrier between the loads and the stores keeps the result exact."""
+    rng = np.random.default_rng(6)
+    b, s, h, d, layers = 2, 4096, 3, 64, 30
+    caches = random_arrays(rng, 2 * layers, (b, s, h, d), jnp.bfloat16)
+    path = jnp.asarray([[0, 1, 3, 5, 0, 0], [0, 2, 4, 6, 8, 10]], jnp.int32)
+    lengths = jnp.asarray([7, 2000], jnp.int32)
+    want = expected_move(caches, path, lengths)
+
+    move_in_place = jax.jit(lambda c, p, n: commit_rows(c, None, p, n), donate_argnums=0)
+    got = move_in_place(caches, path, lengths)
+
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(as_f32(g), w)
