@@ -11,9 +11,11 @@ later change of text is followed), and picks
     argmax_k  tokens_per_round[k] / seconds_per_round[k]
 
 AR emits exactly one token per round, so its estimate is fixed at 1. A candidate that is not picked
-gathers no evidence, so a losing candidate is retried after `wait[k]` rounds; every retry that does
-not make it the best doubles its wait (up to MAX_WAIT), so a draft that never pays costs at most a
-round in MAX_WAIT, and one that starts paying again is found within that many rounds. All of it is
+gathers no evidence, so a losing candidate is retried after `wait[k]` rounds times what its round
+costs against the best's (a retry costs that much, so an expensive candidate is retried as much
+less often; at most MAX_WAIT rounds); every retry that does not make it the best doubles its wait,
+so a draft that never pays costs at most a round in MAX_WAIT, and one that starts paying again is
+found within that many rounds. All of it is
 arrays in the loop's carry, updated by every round on the device; the host reads them between runs
 of rounds (`next_run`), never once per round.
 
@@ -77,6 +79,13 @@ def expected_rates(policy: PolicyState) -> jax.Array:
     return policy.tokens_per_round / policy.seconds_per_round
 
 
+def _rounds_overdue(policy: PolicyState, best, xp):
+    """float[K]: rounds since each candidate last ran, less its retry wait (its `wait` scaled by what
+    its round costs against the best's, at most MAX_WAIT); >= 0 when a retry is due."""
+    relative_cost = xp.maximum(policy.seconds_per_round / policy.seconds_per_round[best], 1.0)
+    return policy.since_used - xp.minimum(policy.wait * relative_cost, MAX_WAIT)
+
+
 def choose(policy: PolicyState, xp=jnp):
     """The candidate for the next round: the best by expected rate, unless another one has waited
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
@@ -86,7 +95,7 @@ def choose(policy: PolicyState, xp=jnp):
     rates = expected_rates(policy)
     best = xp.argmax(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
-    overdue = policy.since_used - policy.wait
+    overdue = _rounds_overdue(policy, best, xp)
     candidates = xp.arange(policy.since_used.shape[0])
     overdue = xp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = xp.argmax(overdue)
@@ -104,11 +113,8 @@ def next_run(policy: PolicyState, most: int) -> tuple[int, int]:
         return k, 1
     rates = expected_rates(policy)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
-    due = [
-        int(policy.wait[j] - policy.since_used[j])
-        for j in range(len(policy.wait))
-        if j not in (best, AR) and could_win[j]
-    ]
+    overdue = _rounds_overdue(policy, best, np)
+    due = [int(np.ceil(-overdue[j])) for j in range(len(policy.wait)) if j not in (best, AR) and could_win[j]]
     return k, int(min([most, max(1, int(policy.rounds[k])), *(max(1, d) for d in due)]))
 
 

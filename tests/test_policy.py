@@ -86,3 +86,14 @@ def test_a_candidate_that_cannot_win_even_when_always_right_is_never_retried():
     # With a bound that lets it win, the same tree is tried and kept.
     _, chosen = simulate(init_policy([1.0, 2.0], [1.0, 1.0], [1, 6]), tokens)
     assert (np.asarray(chosen)[20:] == 1).all()
+
+
+def test_a_losing_candidate_waits_longer_the_more_its_round_costs():
+    # Sampling on a CPU: a chain that never beats AR and whose round costs 3 AR steps.
+    tokens = np.ones((128, 2), np.int32)
+    policy, chosen = simulate(init_policy([1.0, 3.0], [1.0, 3.0]), tokens)
+    tries = np.nonzero(np.asarray(chosen) == 1)[0]
+    assert tries[0] >= 3 * FIRST_WAIT  # a retry costs 3 rounds' time: it comes 3x later
+    assert np.all(np.diff(tries) >= 2 * 3 * FIRST_WAIT)  # and the wait doubles from there
+    assert rate_of(np.asarray(chosen), tokens, [1.0, 3.0]) >= 0.95  # exploring cost under 5 %
+    assert int(policy.rounds.sum()) == 128
