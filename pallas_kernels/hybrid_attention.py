@@ -268,6 +268,13 @@ def hybrid_attention(
     )
 
 
+def _write_kernel_stages(head_dim: int) -> int:
+    """Pipeline stages of the rotating kernel: at head dim 128 three stages of its tiles ask an H200
+    for 272 KiB of shared memory (227 KiB is there: the tree verify of a 7B model would not compile),
+    two fit."""
+    return 3 if head_dim <= 64 else 2
+
+
 def hybrid_attention_and_write(
     qkv,
     cos,
@@ -284,7 +291,7 @@ def hybrid_attention_and_write(
     block_keys=64,
     num_splits=None,
     num_warps=8,
-    num_stages=3,
+    num_stages=None,
 ):
     """A block whose new keys are its own tokens (AR decoding's one-token step), straight from the
     model's q|k|v product: qkv [B,T,Hq + 2 Hkv,D] (q heads, then k, then v; no RoPE yet, in the
@@ -321,6 +328,6 @@ def hybrid_attention_and_write(
         block_keys=block_keys,
         num_splits=num_splits,
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=_write_kernel_stages(d) if num_stages is None else num_stages,
         packed_heads=(num_heads, hkv),
     )
