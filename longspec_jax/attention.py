@@ -8,10 +8,10 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `hybrid_tree_attention`: T new queries against a cache (every query sees cache keys
   [0, cache_len[b]) with no mask) plus the T' new keys under a boolean mask (a tree mask in
   verification, a lower-triangular one for plain blocks, [[True]] for one-token decode).
-- `decode_attention_and_write`: AR decoding's one-token step from the packed, un-rotated q|k|v
-  product: rotates, writes the token's K/V row into the cache and attends rows [0, len] (with
-  "pallas" all in the fused kernel, whose outputs include the caches, aliased to its inputs). With
-  "pallas" it also takes a block of tokens under a mask (tree verification), written likewise.
+- `attend_and_write_block`: a block of new tokens from the packed, un-rotated q|k|v product:
+  rotates, writes their K/V rows into the cache and attends the cache plus the block under its
+  mask. AR decoding's one token under every impl; under "pallas" a verified tree too, all in the
+  fused kernel, whose outputs include the caches, aliased to its inputs.
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `masked_self_attention`: the draft's inference self-attention, a few queries against its
@@ -46,7 +46,7 @@ from pallas_kernels import tree_attention as pallas_tree
 __all__ = [
     "cache_attention",
     "decode_attention",
-    "decode_attention_and_write",
+    "attend_and_write_block",
     "default_impl",
     "hybrid_tree_attention",
     "masked_attention",
@@ -381,11 +381,11 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
     return jax.vmap(write)(cache_rows, new, start)
 
 
-def decode_attention_and_write(
+def attend_and_write_block(
     qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
 ):
-    """AR decoding's attention of one new token per sequence, from the model's q|k|v product, its
-    K/V written into the cache.
+    """The attention of a block of new tokens (AR decoding's one token; under "pallas" a verified
+    tree too), from the model's q|k|v product, their K/V written into the cache.
 
     qkv [B,T,(Hq + 2 Hkv) * D]: q, k and v of the tokens before RoPE; rope: `rope.rope_tables`'
     (cos, sin) at their positions. The rotated q attends cache rows [0, lengths[b]) of
@@ -397,12 +397,12 @@ def decode_attention_and_write(
     aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
     "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
     [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
-    _check_impl(impl, "decode_attention_and_write")
+    _check_impl(impl, "attend_and_write_block")
     b, t, width = qkv.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     if t != 1 and impl != "pallas":
         raise UserError(
-            f"decode_attention_and_write takes one token per sequence under impl {impl!r}, got {t}: "
+            f"attend_and_write_block takes one token per sequence under impl {impl!r}, got {t}: "
             "use hybrid_tree_attention"
         )
     qkv = qkv.reshape(b, t, width // d, d)

@@ -363,7 +363,7 @@ class Transformer(nnx.Module):
         BlockKV says so; otherwise the cache is left as it is and the BlockKV holds the block's K/V.
         T = 1 (AR decoding, lengths < S_max) writes its row at lengths[b] of every layer
         (committing it is lengths += 1) and, with one_token_attention, attends and writes in one
-        call (`attention.decode_attention_and_write`: with impl "pallas" one kernel that also
+        call (`attention.attend_and_write_block`: with impl "pallas" one kernel that also
         stores the row)."""
         impl = _impl(attn_impl)
         rope = self._rope(positions)
@@ -374,7 +374,7 @@ class Transformer(nnx.Module):
         cache_k, cache_v, block_k, block_v = [], [], [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             if one_token or block_in_cache:
-                o, k_cache, v_cache = attention.decode_attention_and_write(
+                o, k_cache, v_cache = attention.attend_and_write_block(
                     layer.qkv_product(x),
                     rope,
                     k_cache,

@@ -187,7 +187,7 @@ def test_decode_attention_matches_float64_reference(impl):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_decode_attention_and_write_matches_float64_reference(impl):
+def test_attend_and_write_block_matches_float64_reference(impl):
     """From the un-rotated q|k|v product: the rotated k and the v of the new token land at row
     lengths[b] (other rows untouched) and o is attention of the rotated q over rows [0, lengths[b])
     plus the new key where the token sees itself; an empty cache, a token that does not see
@@ -201,7 +201,7 @@ def test_decode_attention_and_write_matches_float64_reference(impl):
     angles = rng.uniform(0, 100, (b, 1, 1, d // 2))
     cos, sin = np.cos(angles), np.sin(angles)
     rope = (jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32))
-    o, k_out, v_out = attention.decode_attention_and_write(
+    o, k_out, v_out = attention.attend_and_write_block(
         jnp.asarray(qkv.reshape(b, 1, -1)),
         rope,
         *(jnp.asarray(x) for x in (k, v, lengths, self_mask)),
@@ -226,7 +226,7 @@ def test_decode_attention_refuses_a_block():
     with pytest.raises(UserError, match="one query per sequence"):
         attention.decode_attention(q, kv, kv, jnp.asarray([3]))
     with pytest.raises(UserError, match="one token per sequence"):
-        attention.decode_attention_and_write(
+        attention.attend_and_write_block(
             jnp.zeros((1, 2, 128)), (q, q), kv, kv, jnp.asarray([3]), jnp.ones((1, 2, 2), bool), num_heads=4
         )
 
