@@ -167,6 +167,7 @@ def run_benchmark(
                     "draft_cache_bytes": stats.draft_cache_bytes,
                     "profile": stats.profile,
                     "policy": stats.policy,
+                    "runs": stats.runs,
                     "tokens_sha1": digest,
                     "tree_widths": longspec_widths if mode == "longspec" else None,
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,

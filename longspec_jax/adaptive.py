@@ -1,8 +1,9 @@
 """Adaptive speculation: each round, the candidate proposal with the most expected tokens per second.
 
-Mode "auto" decodes with an `Adaptive` proposer: a few static candidates, each its own compiled
-decode loop (a candidate's rounds run back to back on the device; a branch inside one loop was
-measured 2-4x slower per round on the H200, BENCHMARKS.md):
+Mode "auto" decodes with an `Adaptive` proposer: a few static candidates, each a branch of one
+compiled decode loop. The policy picks on the device, and a candidate's rounds run back to back in
+an inner loop until the pick changes (decode_loop.decode), so the loop branches once per switch,
+not once per round, and the host never steps in:
     "ar"      the root alone: a plain target step;
     "pld"     a prompt-lookup chain (free to propose, strong on text that repeats its context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).

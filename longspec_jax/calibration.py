@@ -27,7 +27,6 @@ from longspec_jax.compile_cache import cache_root
 TIMED_SECONDS = 0.03  # about how long each candidate is timed
 WARM_ROUNDS = 2
 MAX_TIMED_ROUNDS = 16
-MIN_CLOCKED_ROUNDS = 4
 _MEMORY: dict[str, dict[str, float]] = {}
 
 
@@ -106,29 +105,6 @@ def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
         elif long_rounds > 0:
             seconds[k] = long / long_rounds
     return state, seconds
-
-
-class RoundClock:
-    """Refines the calibrated costs with the request's own runs of rounds: each run of at least
-    MIN_CLOCKED_ROUNDS rounds of one candidate adds its wall time per round to a running mean per
-    candidate (what a round really costs here, call overhead shared out), which replaces the
-    calibration once it holds as many rounds as the calibration timed."""
-
-    def __init__(self, seconds):
-        self.seconds = np.asarray(seconds, np.float64)
-        self.clocked = np.zeros_like(self.seconds)
-        self.rounds = np.zeros_like(self.seconds)
-
-    def add(self, candidate: int, rounds: int, seconds: float) -> bool:
-        """Record a run; True when the costs changed."""
-        if rounds < MIN_CLOCKED_ROUNDS:
-            return False
-        self.clocked[candidate] += seconds
-        self.rounds[candidate] += rounds
-        if self.rounds[candidate] < MAX_TIMED_ROUNDS:
-            return False
-        self.seconds[candidate] = self.clocked[candidate] / self.rounds[candidate]
-        return True
 
 
 def calibrated(state, run, names: tuple[str, ...], key: str):

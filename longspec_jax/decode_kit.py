@@ -42,7 +42,9 @@ class GenerationStats:
     sequences together; the first token of each comes out of prefill). tau = mean tokens emitted
     per target forward after prefill (1 for AR); rounds = target forwards after prefill. policy
     (mode "auto"): per candidate the rounds it ran, its mean tokens kept per round and its
-    calibrated round time, and where the calibration came from (adaptive.py)."""
+    calibrated round time, and where the calibration came from (adaptive.py). runs (profile=True):
+    each host call of the device loop in order, {"what": the loop ("loop", or the adaptive
+    candidate; "start": the first state, with any calibration rounds), "rounds", "ms"}."""
 
     prefill_s: float
     decode_s: float
@@ -56,6 +58,7 @@ class GenerationStats:
     compile_s: float = 0.0
     profile: dict[str, float] = dataclasses.field(default_factory=dict)
     policy: dict[str, Any] = dataclasses.field(default_factory=dict)
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
         """One human-readable summary line."""
@@ -108,6 +111,7 @@ def make_stats(
     compile_s=0.0,
     profile=None,
     policy=None,
+    runs=None,
 ) -> GenerationStats:
     """GenerationStats with new_tokens / tokens_per_s derived from the returned tokens."""
     new_tokens = sum(len(t) for t in tokens)
@@ -124,6 +128,7 @@ def make_stats(
         compile_s=compile_s,
         profile=dict(profile or {}),
         policy=dict(policy or {}),
+        runs=list(runs or []),
     )
 
 

@@ -35,7 +35,7 @@ from longspec_jax.acceptance import Acceptance, accept
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import BlockKV, KVCache, Transformer, commit
-from longspec_jax.policy import record
+from longspec_jax.policy import choose, record
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -51,7 +51,6 @@ class LoopConfig:
     proposer: Any
     new_bucket: int
     attn_impl: str
-    candidate: int = 0  # with an adaptive proposer (adaptive.py): the candidate this program runs
 
     @property
     def depth(self) -> int:
@@ -156,11 +155,11 @@ def accept_and_commit(
     )
 
 
-def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState, sampling) -> LoopState:
-    """One round of candidate `config.candidate` of an adaptive proposer (adaptive.py): its
-    proposer proposes, the other sources catch up, and the policy records what the round kept."""
+def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState, sampling, k: int) -> LoopState:
+    """One round of candidate k (static) of an adaptive proposer (adaptive.py): its proposer
+    proposes, the other sources catch up, and the policy records what the round kept."""
     adaptive = config.proposer
-    candidate = adaptive.candidates[config.candidate]
+    candidate = adaptive.candidates[k]
     sources = state.proposal.sources
     tree, mine = candidate.proposer.propose(
         proposer_params[candidate.source], model, sources[candidate.source], state.roots, state.cache, config.attn_impl
@@ -173,17 +172,20 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
     def update(emitted, n_keep, positions):
         accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
         kept, active = n_keep.sum(), (~state.done).sum()
-        policy = record(state.proposal.policy, jnp.int32(config.candidate), kept, active)
+        policy = record(state.proposal.policy, jnp.int32(k), kept, active)
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)
     return accept_and_commit(config, state, tree, logits, cache, block, None, sampling, update_proposal=update)
 
 
-def run_round(config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams) -> LoopState:
+def run_round(
+    config: LoopConfig, params, proposer_params, state: LoopState, sampling: SamplingParams, candidate: int = 0
+) -> LoopState:
+    """One round; with an adaptive proposer, of its candidate `candidate` (static)."""
     model = nnx.merge(config.graphdef, params)
     if isinstance(config.proposer, Adaptive):
-        return _adaptive_round(config, model, proposer_params, state, sampling)
+        return _adaptive_round(config, model, proposer_params, state, sampling, candidate)
     tree, proposal = propose(config, proposer_params, model, state)
     logits, cache, block = verify(config, model, tree, state.cache)
     return accept_and_commit(config, state, tree, logits, cache, block, proposal, sampling)
@@ -226,12 +228,40 @@ def start(
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def decode(params, proposer_params, state: LoopState, stop_at, sampling: SamplingParams, *, config: LoopConfig):
+def decode(
+    params, proposer_params, state: LoopState, stop_at, sampling: SamplingParams, candidate=-1, *, config: LoopConfig
+):
     """Rounds until every sequence is done or `rounds` reaches stop_at (int32[]; the host driver
-    raises it chunk by chunk). -> the state."""
+    raises it chunk by chunk). -> the state.
 
-    def body(s):
-        # Merged inside the body so the parameters are loop inputs, not constants.
-        return run_round(config, params, proposer_params, s, sampling)
+    With an adaptive proposer the policy picks each round's candidate on the device (policy.choose),
+    or candidate (int32[]) >= 0 forces that one (the calibration times each candidate so). The loop
+    runs one candidate's rounds back to back in an inner loop until the pick changes: a branch per
+    switch, not per round."""
 
-    return jax.lax.while_loop(lambda s: (s.rounds < stop_at) & ~jnp.all(s.done), body, state)
+    def more(s):
+        return (s.rounds < stop_at) & ~jnp.all(s.done)
+
+    if not isinstance(config.proposer, Adaptive):
+
+        def body(s):
+            # Merged inside the body so the parameters are loop inputs, not constants.
+            return run_round(config, params, proposer_params, s, sampling)
+
+        return jax.lax.while_loop(more, body, state)
+
+    def pick(s):
+        return jnp.where(candidate >= 0, candidate, choose(s.proposal.policy)).astype(jnp.int32)
+
+    def rounds_of(k: int):
+        def run(s):
+            return jax.lax.while_loop(
+                lambda s: more(s) & (pick(s) == k),
+                lambda s: run_round(config, params, proposer_params, s, sampling, k),
+                s,
+            )
+
+        return run
+
+    branches = [rounds_of(k) for k in range(len(config.proposer.candidates))]
+    return jax.lax.while_loop(more, lambda s: jax.lax.switch(pick(s), branches, s), state)

@@ -38,15 +38,7 @@ from flax import nnx
 
 from longspec_jax import attention
 from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
-from longspec_jax.calibration import (
-    RoundClock,
-    calibrated,
-    calibration_folder,
-    calibration_key,
-    policy_stats,
-    save_calibration,
-    with_round_costs,
-)
+from longspec_jax.calibration import calibrated, calibration_key, policy_stats
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
@@ -67,7 +59,6 @@ from longspec_jax.decode_kit import (
 from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start
 from longspec_jax.draft_io import inference_draft
 from longspec_jax.errors import GenerationInterrupted, UserError
-from longspec_jax.policy import next_run
 from longspec_jax.proposers import proposer_for
 from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams
@@ -129,6 +120,12 @@ class _Progress:
             (state.out, state.n_new, state.done, state.rounds, state.active_rounds, policy)
         )
         return cls(out, n_new, done, int(rounds), int((n_new - 1).sum()), int(active.sum()), policy)
+
+
+def stream_rounds(tokens: int, tokens_per_round: float) -> int:
+    """Rounds per call of the loop when streaming: about `tokens` new tokens at the tokens per
+    round seen so far (each call costs the host a read, so no fewer rounds than that needs)."""
+    return max(1, round(tokens / max(tokens_per_round, 1.0)))
 
 
 class Generator:
@@ -236,23 +233,21 @@ class Generator:
         run_start, c1 = compiled(start, *start_args, config=config)
         state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
         rounds_limit = jnp.asarray(0, jnp.int32)
-        # One loop program per adaptive candidate (adaptive.py), else the one loop.
-        configs = (
-            [dataclasses.replace(config, candidate=k) for k in range(len(proposer.candidates))]
-            if adaptive
-            else [config]
+        policy_picks = jnp.asarray(-1, jnp.int32)  # adaptive: the policy picks each round's candidate
+        loop, seconds = compiled(
+            decode,
+            self.params,
+            proposer_params,
+            state_shape,
+            rounds_limit,
+            request.sampling,
+            policy_picks,
+            config=config,
         )
-        loops = []
-        for c in configs:
-            loop, seconds = compiled(
-                decode, self.params, proposer_params, state_shape, rounds_limit, request.sampling, config=c
-            )
-            loops.append(loop)
-            compile_s += seconds
-        compile_s += c1
-        chunk = CHUNK_ROUNDS if request.stream is None else max(1, request.stream_every // (len(widths) + 1))
+        compile_s += c1 + seconds
+        chunk = CHUNK_ROUNDS if request.stream is None else stream_rounds(request.stream_every, 1.0 + len(widths) / 2)
 
-        def result(progress: _Progress, decode_s: float, profile=None) -> GenerationResult:
+        def result(progress: _Progress, decode_s: float, profile=None, timeline=None) -> GenerationResult:
             tokens = finish_tokens(progress.out, progress.n_new, request.eos_token_ids)
             stats = make_stats(
                 prefill_s=prefill_s,
@@ -266,18 +261,21 @@ class Generator:
                 compile_s=compile_s,
                 profile=profile,
                 policy=policy_stats(proposer, progress.policy, calibration) if adaptive else {},
+                runs=timeline,
             )
             text = None if self.target.tokenizer is None else [decode_text(self.target.tokenizer, t) for t in tokens]
             return GenerationResult(tokens=tokens, stats=stats, text=text)
 
-        def run(state, rounds: int, candidate: int = 0):
-            """The loop (of an adaptive candidate) until `rounds` rounds in all, or every sequence is done."""
+        def run(state, rounds: int, candidate: int = -1):
+            """The loop until `rounds` rounds in all, or every sequence is done (adaptive: every round
+            by `candidate` when it is >= 0, else as the policy picks)."""
             limit = jnp.asarray(rounds, jnp.int32)
-            return loops[candidate](self.params, proposer_params, state, limit, request.sampling)
+            return loop(self.params, proposer_params, state, limit, request.sampling, jnp.asarray(candidate, jnp.int32))
 
         t0 = time.perf_counter()
         progress = None
         calibration = None
+        runs = []  # each call of the loop: (what, rounds, seconds), the host's reads included
         try:
             state = run_start(*start_args)
             if adaptive:
@@ -294,28 +292,27 @@ class Generator:
                 )
                 state, calibration = calibrated(state, run, proposer.names, key)
             progress = _Progress.read(state)
-            clock = RoundClock(progress.policy.seconds_per_round) if adaptive else None
+            runs.append(("start", progress.rounds, time.perf_counter() - t0))
             while not progress.done.all():
-                candidate, rounds = next_run(progress.policy, chunk) if adaptive else (0, chunk)
                 started, before = time.perf_counter(), progress.rounds
-                state = run(state, progress.rounds + rounds, candidate)
+                state = run(state, progress.rounds + chunk)
                 progress = _Progress.read(state)
-                if adaptive and clock.add(candidate, progress.rounds - before, time.perf_counter() - started):
-                    state = with_round_costs(state, clock.seconds)
+                runs.append(("loop", progress.rounds - before, time.perf_counter() - started))
                 if request.stream is not None:
+                    chunk = stream_rounds(request.stream_every, progress.emitted / max(progress.active_rounds, 1))
                     request.stream(finish_tokens(progress.out, progress.n_new, request.eos_token_ids))
         except KeyboardInterrupt as interrupt:
             partial = None if progress is None else result(progress, time.perf_counter() - t0)
             raise GenerationInterrupted(partial) from interrupt
         decode_s = time.perf_counter() - t0
-        if adaptive and clock.rounds.any():  # what this request's own runs measured, for the next
-            save_calibration(key, dict(zip(proposer.names, clock.seconds.tolist())), calibration_folder())
 
         profile = {}
         if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy
             profile, state = profile_round(config, self.params, proposer_params, state, request.sampling)
         if request.profile:
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)
+            timeline = [{"what": name, "rounds": n, "ms": 1e3 * s} for name, n, s in runs]
+            return result(progress, decode_s, profile, timeline)
         return result(progress, decode_s, profile)
 
 

@@ -16,8 +16,8 @@ costs against the best's (a retry costs that much, so an expensive candidate is 
 less often; at most MAX_WAIT rounds); every retry that does not make it the best doubles its wait,
 so a draft that never pays costs at most a round in MAX_WAIT, and one that starts paying again is
 found within that many rounds. All of it is
-arrays in the loop's carry, updated by every round on the device; the host reads them between runs
-of rounds (`next_run`), never once per round.
+arrays in the loop's carry, updated by every round and read by `choose` on the device: the host
+takes no part in the choice (decode_loop.decode).
 
 Exactness does not depend on the policy: every candidate's round emits tokens distributed exactly as
 the target's (greedy: equal to AR), so switching between them at any round keeps the output exact.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 EMA_WEIGHT = 0.125  # weight of the newest round in a candidate's estimate (tau per round is noisy)
@@ -100,22 +99,6 @@ def choose(policy: PolicyState, xp=jnp):
     overdue = xp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = xp.argmax(overdue)
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
-
-
-def next_run(policy: PolicyState, most: int) -> tuple[int, int]:
-    """Host side, on a policy read back as numpy arrays: (candidate, rounds) to run next. A retry
-    runs one round. The best runs until the next retry of another candidate is due, and at most as
-    many rounds as it has run so far (its estimate may fall behind another's: it is looked at again
-    after 1, 2, 4, ... rounds) and `most`: a few host reads per request, never one per round."""
-    k = int(choose(policy, np))
-    best = int(np.argmax(expected_rates(policy)))
-    if k != best:
-        return k, 1
-    rates = expected_rates(policy)
-    could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
-    overdue = _rounds_overdue(policy, best, np)
-    due = [int(np.ceil(-overdue[j])) for j in range(len(policy.wait)) if j not in (best, AR) and could_win[j]]
-    return k, int(min([most, max(1, int(policy.rounds[k])), *(max(1, d) for d in due)]))
 
 
 def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:

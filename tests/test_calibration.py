@@ -58,13 +58,3 @@ def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
     one_call_per_run = (overhead + 2 * cost[0]) / 2  # what timing a single short run would have said
     assert one_call_per_run > 2 * cost[0]
     assert int(state.rounds) > 4  # the rounds ran are the generation's own
-
-
-def test_round_clock_replaces_the_calibration_with_what_runs_measure():
-    from longspec_jax.calibration import MAX_TIMED_ROUNDS, MIN_CLOCKED_ROUNDS, RoundClock
-
-    clock = RoundClock([3.0, 4.0])
-    assert not clock.add(0, MIN_CLOCKED_ROUNDS - 1, 0.1)  # too short to share out a call's cost
-    assert not clock.add(0, MAX_TIMED_ROUNDS // 2, 0.01 * (MAX_TIMED_ROUNDS // 2))
-    assert clock.add(0, MAX_TIMED_ROUNDS, 0.01 * MAX_TIMED_ROUNDS)
-    assert abs(clock.seconds[0] - 0.01) < 1e-9 and clock.seconds[1] == 4.0

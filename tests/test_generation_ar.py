@@ -82,6 +82,15 @@ def test_streaming_gives_the_same_tokens_in_growing_prefixes(target):
     assert result.tokens == generate(target, PROMPT_B, mode="ar", max_new_tokens=10, eos_token_ids=()).tokens
 
 
+def test_streamed_calls_run_about_stream_every_tokens_at_the_tau_seen():
+    from longspec_jax.generation import stream_rounds
+
+    assert stream_rounds(32, 1.0) == 32  # AR: one token a round
+    assert stream_rounds(32, 4.0) == 8  # a round keeps four: a quarter of the rounds
+    assert stream_rounds(32, 0.5) == 32  # never more rounds than tokens
+    assert stream_rounds(2, 6.0) == 1  # at least one round a call
+
+
 def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
     gen = Generator(target, mode="ar")
     gen.generate([1, 2, 3], max_new_tokens=5, temperature=0.9, top_p=0.8, seed=1)
