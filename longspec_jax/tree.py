@@ -18,6 +18,8 @@ The speculative loop builds a tree level by level (the draft runs between levels
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,11 @@ from longspec_jax.errors import UserError
 DEFAULT_WIDTHS = (4, 16, 16, 16, 16)
 # The verification kernel takes the whole tree (root included) as one block of at most this many rows.
 MAX_TREE_NODES = 128
+# vocab_top_k's two-stage selection (timed on the H200 at a 49k vocabulary): from this k on, up to
+# this many rows, in slices of this many entries (a quarter of it above 4 rows).
+TWO_STAGE_MIN_K = 8
+TWO_STAGE_MAX_ROWS = 16
+TWO_STAGE_CHUNK = 1024
 
 
 @struct.dataclass
@@ -123,6 +130,27 @@ def _add_level(tree: Tree, depth: int, parents: jax.Array, tokens: jax.Array, sc
     )
 
 
+def vocab_top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis (values, indices, ties to the lower index), in two stages
+    when the rows are few and k is large: the top-k of each slice of CHUNK entries, then the top-k
+    of those. The result is the same (every winner is among its own slice's top k, and the second
+    stage keeps the slices in order). On the H200 the one-stage kernel takes ~120 us for k = 16
+    over a 49k vocabulary at 1-16 rows, the two stages ~20-50 us; at 64 rows one stage is faster."""
+    rows = math.prod(scores.shape[:-1])
+    v = scores.shape[-1]
+    if k < TWO_STAGE_MIN_K or rows > TWO_STAGE_MAX_ROWS or v <= 2 * TWO_STAGE_CHUNK:
+        return jax.lax.top_k(scores, k)
+    chunk = TWO_STAGE_CHUNK if rows <= 4 else TWO_STAGE_CHUNK // 4
+    slices = -(-v // chunk)
+    pad = [(0, 0)] * (scores.ndim - 1) + [(0, slices * chunk - v)]
+    padded = jnp.pad(scores, pad, constant_values=-jnp.inf)  # never chosen: v >= k real entries come first
+    best, index = jax.lax.top_k(padded.reshape(*scores.shape[:-1], slices, chunk), k)
+    index = index + (jnp.arange(slices, dtype=index.dtype) * chunk)[:, None]
+    flat_best = best.reshape(*scores.shape[:-1], slices * k)
+    values, where = jax.lax.top_k(flat_best, k)
+    return values, jnp.take_along_axis(index.reshape(flat_best.shape), where, axis=-1)
+
+
 def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_WIDTHS) -> Tree:
     """Start a tree: root_tokens int32[B], the draft's log-probs at the root float32[B, V].
 
@@ -131,7 +159,7 @@ def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_
     """
     widths = tuple(widths)
     tree = _empty_tree(root_tokens, widths)
-    scores, tokens = jax.lax.top_k(root_log_probs.astype(jnp.float32), widths[0])
+    scores, tokens = vocab_top_k(root_log_probs.astype(jnp.float32), widths[0])
     parents = jnp.zeros_like(tokens)
     return _add_level(tree, 1, parents, tokens, scores)
 
@@ -149,7 +177,7 @@ def expand_level(tree: Tree, depth: int, log_probs: jax.Array) -> Tree:
     start, end = level_slice(widths, depth)
     b, w, v = log_probs.shape
     k = min(widths[depth], v)
-    node_best, node_tokens = jax.lax.top_k(log_probs.astype(jnp.float32), k)  # [B, w, k]
+    node_best, node_tokens = vocab_top_k(log_probs.astype(jnp.float32), k)  # [B, w, k]
     candidates = (tree.scores[:, start:end, None] + node_best).reshape(b, w * k)
     scores, flat = jax.lax.top_k(candidates, widths[depth])
     parents = start + flat // k

@@ -181,11 +181,14 @@ def test_hybrid_kernel_rejects_bad_shapes():
         )
 
 
-def test_combine_equals_attention_over_the_union_of_slices():
-    """P = 5 partials over disjoint random key subsets (flash_block's row order); rows that only
-    some slices see, a row that no slice sees (o = 0, lse = -inf), and a slice nobody sees."""
-    rng = np.random.default_rng(12)
-    b, t, hq, hkv, n, d, num_parts = 2, 3, 9, 3, 40, 64, 5
+@pytest.mark.parametrize("t, num_parts", [(3, 5), (7, 37), (3, 2)])
+def test_combine_equals_attention_over_the_union_of_slices(t, num_parts):
+    """P partials over disjoint random key subsets (flash_block's row order): a chunk of parts or
+    several (37: the last chunk shifted back over parts already merged), one row block or two;
+    rows that only some slices see, a row that no slice sees (o = 0, lse = -inf), and a slice
+    nobody sees."""
+    rng = np.random.default_rng(12 + num_parts)
+    b, hq, hkv, n, d = 2, 9, 3, 80, 64
     q = rng.standard_normal((b, t, hq, d))
     k, v = (rng.standard_normal((b, n, hkv, d)) for _ in range(2))
     visible = rng.random((b, t, n)) < 0.5

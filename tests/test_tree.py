@@ -14,6 +14,7 @@ from longspec_jax.tree import (
     node_depths,
     num_nodes,
     validate_widths,
+    vocab_top_k,
 )
 
 
@@ -138,3 +139,25 @@ def test_bad_widths_raise_user_error(widths, match):
 def test_good_widths_pass_validation():
     assert validate_widths([4, 16, 16, 16, 16], vocab_size=32000) == DEFAULT_WIDTHS
     assert validate_widths((2, 20), vocab_size=10) == (2, 20)
+
+
+@pytest.mark.parametrize("shape, k", [((1, 4, 49152), 16), ((16, 5000), 16), ((2, 3, 3001), 9), ((1, 7000), 8)])
+def test_vocab_top_k_equals_one_stage_top_k_ties_and_minus_inf_included(shape, k):
+    rng = np.random.default_rng(k)
+    # Few distinct values: ties everywhere, across slices too; some rows' tails at -inf.
+    scores = rng.integers(0, 12, shape).astype(np.float32)
+    scores[..., shape[-1] // 3 :: 7] = -np.inf
+    values, index = vocab_top_k(jnp.asarray(scores), k)
+    want_values, want_index = jax.lax.top_k(jnp.asarray(scores), k)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(index, want_index)
+
+
+def test_vocab_top_k_takes_two_stages_where_it_is_faster():
+    # Two stages: the program holds two top-ks; one stage for many rows or a small k.
+    def top_ks(shape, k):
+        text = jax.jit(lambda x: vocab_top_k(x, k)).lower(jnp.zeros(shape, jnp.float32)).as_text()
+        return text.count("chlo.top_k")
+
+    assert top_ks((4, 49152), 16) == 2 and top_ks((64, 49152), 16) == 1
+    assert top_ks((4, 49152), 4) == 1
