@@ -53,6 +53,8 @@ PLD_MAX_NGRAM, PLD_MIN_NGRAM = 3, 1
 
 def write_rows(buffer: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:
     """buffer [B, S] with values [B, T] written at columns [start[b], start[b] + T)."""
+    if buffer.shape[0] == 1:  # one sequence: a plain slice update (the vmapped form is a scatter)
+        return jax.lax.dynamic_update_slice(buffer, values.astype(buffer.dtype), (0, start[0]))
     return jax.vmap(lambda row, v, s: jax.lax.dynamic_update_slice(row, v.astype(row.dtype), (s,)))(
         buffer, values, start
     )

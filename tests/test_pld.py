@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,3 +53,18 @@ def test_no_match_and_truncated_continuation():
     chain, n_found = propose(history, np.array([4, 3]), num_tokens=3, max_ngram=2, min_ngram=1)
     np.testing.assert_array_equal(chain, [[0, 0, 0], [6, 4, 0]])
     np.testing.assert_array_equal(n_found, [0, 2])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_write_rows_writes_each_row_at_its_own_start(batch):
+    from longspec_jax.proposers import write_rows
+
+    rng = np.random.default_rng(batch)
+    buffer = rng.integers(0, 100, (batch, 12)).astype(np.int32)
+    values = rng.integers(100, 200, (batch, 4)).astype(np.int32)
+    starts = np.array([10, 3, 0][:batch], np.int32)  # 10: past the end, so the write moves back
+    want = buffer.copy()
+    for b, s in enumerate(starts):
+        s = min(s, buffer.shape[1] - values.shape[1])  # lax.dynamic_update_slice keeps a write in bounds
+        want[b, s : s + values.shape[1]] = values[b]
+    np.testing.assert_array_equal(write_rows(jnp.asarray(buffer), jnp.asarray(values), jnp.asarray(starts)), want)
