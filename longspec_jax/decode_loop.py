@@ -172,7 +172,8 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
     def update(emitted, n_keep, positions):
         accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
         kept, active = n_keep.sum(), (~state.done).sum()
-        policy = record(state.proposal.policy, jnp.int32(k), kept, active)
+        slowest = jnp.min(jnp.where(state.done, jnp.iinfo(jnp.int32).max, n_keep))
+        policy = record(state.proposal.policy, jnp.int32(k), kept, active, slowest)
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)

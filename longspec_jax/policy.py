@@ -101,12 +101,17 @@ def choose(policy: PolicyState, xp=jnp):
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
 
 
-def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:
+def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, slowest=None) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
-    in total (int32[]): update its estimate and the retry clocks."""
+    in total (int32[]): update its estimate and the retry clocks. slowest (int32[], optional): the
+    fewest tokens an active sequence kept; when given, the estimate follows it instead of the mean,
+    since a batch is done only when its slowest sequence is (a round that gives most sequences
+    four tokens and one sequence one brings the end no nearer than an AR step does)."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
+    if slowest is not None:
+        per_sequence = slowest.astype(jnp.float32)
     ran = is_chosen & (active > 0) & (chosen != AR)
     # The prior counts as one round: the k-th round weighs 1 / (k + 1) until that is EMA_WEIGHT.
     weight = jnp.maximum(1.0 / (policy.rounds.astype(jnp.float32) + 2.0), EMA_WEIGHT)

@@ -97,3 +97,21 @@ def test_a_losing_candidate_waits_longer_the_more_its_round_costs():
     assert np.all(np.diff(tries) >= 2 * 3 * FIRST_WAIT)  # and the wait doubles from there
     assert rate_of(np.asarray(chosen), tokens, [1.0, 3.0]) >= 0.95  # exploring cost under 5 %
     assert int(policy.rounds.sum()) == 128
+
+
+def test_a_batch_is_judged_by_its_slowest_sequence():
+    # Batch 4, a tree round costing 1.5 AR steps: three sequences keep 5 tokens a round, one keeps 1.
+    # The mean (4 a round) says speculate; the batch ends with the slow sequence, 1 a round: AR.
+    def run(use_slowest):
+        policy = init_policy(jnp.array([1.0, 1.5]), [1.0, 3.0])
+        chosen = []
+        for _ in range(100):
+            k = choose(policy)
+            kept = jnp.int32(16) if k != AR else jnp.int32(4)
+            slowest = jnp.int32(1) if use_slowest else None  # AR or tree, the slow one keeps 1
+            policy = record(policy, k, kept, jnp.int32(4), slowest)
+            chosen.append(int(k))
+        return np.asarray(chosen)
+
+    assert (run(use_slowest=False)[10:] == 1).mean() > 0.9  # misled by the mean
+    assert (run(use_slowest=True)[10:] == AR).mean() > 0.9

@@ -1,0 +1,122 @@
+"""Where the GPU time of an AR step and a LongSpec round goes, kernel by kernel, from a profiler trace.
+
+Decodes with SmolLM2's shape and random weights and draft (bfloat16, a 4,500-token prompt, 24 new
+tokens: with a random draft every round keeps one token, so both modes run 23 rounds), once to
+compile, once under `jax.profiler.trace` (a Perfetto trace per mode under --out). Then it sums the
+GPU kernels that ran after the prefill by class (GEMMs, the Pallas attention and its combine, the
+vocabulary top-k, other XLA fusions, copies) and prints milliseconds per round, beside the kernels'
+busy time and the span per round. A kernel-time-bound loop has busy ~ span.
+
+    python -m benchmarks.trace_round --out /tmp/trace      # GPU
+    python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+# Kernel name fragment -> class, first match wins.
+CLASSES = (
+    ("Run<16", "top-k, k = 16"),
+    ("Run<", "top-k, other k"),
+    ("hybrid_split_k_attn", "Pallas attention"),
+    ("cache_split_k_attn", "Pallas attention"),
+    ("split_k_combine", "split-K combine"),
+    ("commit_rows", "commit"),
+    ("gemm", "GEMM"),
+    ("nvjet", "GEMM"),
+    ("cublas", "GEMM"),
+    ("cudnn", "cuDNN attention"),
+    ("mem", "copy / memset"),
+    ("Mem", "copy / memset"),
+)
+
+
+def kernel_class(name: str) -> str:
+    return next((cls for fragment, cls in CLASSES if fragment in name), "other fusions")
+
+
+def loop_kernels(trace: dict) -> list[dict]:
+    """The GPU kernel events after the prefill's last cuDNN attention / GEMM, in time order."""
+    events = trace["traceEvents"]
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and "GPU" in process.get(e["pid"], "")), key=lambda e: e["ts"]
+    )
+    prefill = [e["ts"] for e in gpu if "cudnn" in e["name"] or "nvjet" in e["name"]]
+    start = max(prefill) if prefill else float("-inf")
+    return [e for e in gpu if e["ts"] > start]
+
+
+def summarise(trace: dict, rounds: int) -> dict[str, tuple[float, float]]:
+    """{class: (kernels per round, ms per round)}, plus "busy" and "span" (ms per round)."""
+    kernels = loop_kernels(trace)
+    if not kernels:
+        raise SystemExit("no GPU kernels in this trace (was it recorded on a GPU?)")
+    table = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        row = table[kernel_class(e["name"])]
+        row[0] += 1
+        row[1] += e["dur"]
+    out = {cls: (n / rounds, us / 1e3 / rounds) for cls, (n, us) in table.items()}
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    out["busy"] = (len(kernels) / rounds, sum(e["dur"] for e in kernels) / 1e3 / rounds)
+    out["span"] = (0.0, span / 1e3 / rounds)
+    return out
+
+
+def print_summary(label: str, summary: dict) -> None:
+    print(
+        f"{label}: {summary['busy'][0]:.0f} kernels, {summary['busy'][1]:.3f} ms busy, "
+        f"{summary['span'][1]:.3f} ms span per round"
+    )
+    for cls, (n, ms) in sorted(summary.items(), key=lambda kv: -kv[1][1]):
+        if cls not in ("busy", "span"):
+            print(f"  {cls:18s} {n:6.1f} kernels {ms:7.3f} ms")
+
+
+def record(out: Path, prompt_tokens: int, new_tokens: int) -> dict[str, Path]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from longspec_jax.draft_io import init_draft
+    from longspec_jax.generation import Generator
+    from longspec_jax.model_shapes import MODEL_SHAPES
+    from longspec_jax.target import random_target
+
+    target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+    draft = init_draft(target, seed=1).cast(jnp.bfloat16)
+    prompt = np.random.default_rng(0).integers(100, 1000, size=prompt_tokens).tolist()
+    traces = {}
+    for mode in ("longspec", "ar"):
+        generator = Generator(target, draft if mode == "longspec" else None, mode=mode)
+        generator.generate([prompt], max_new_tokens=new_tokens)
+        with jax.profiler.trace(str(out / mode), create_perfetto_trace=True):
+            result = generator.generate([prompt], max_new_tokens=new_tokens)
+        print(mode, result.stats.line())
+        traces[mode] = (max((out / mode).glob("**/perfetto_trace.json.gz")), result.stats.rounds)
+    return traces
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("/tmp/trace_round"))
+    parser.add_argument("--prompt-tokens", type=int, default=4500)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--summarise", type=Path, help="only summarise this Perfetto trace (.json.gz)")
+    parser.add_argument("--rounds", type=int, default=23, help="rounds in the --summarise trace")
+    args = parser.parse_args(argv)
+    if args.summarise:
+        print_summary(args.summarise.name, summarise(json.load(gzip.open(args.summarise)), args.rounds))
+        return
+    for mode, (path, rounds) in record(args.out, args.prompt_tokens, args.new_tokens).items():
+        print_summary(f"{mode} ({path})", summarise(json.load(gzip.open(path)), rounds))
+
+
+if __name__ == "__main__":
+    main()

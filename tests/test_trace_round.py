@@ -1,0 +1,51 @@
+"""benchmarks/trace_round.py's summary of a profiler trace, on a hand-made trace."""
+
+import pytest
+
+from benchmarks.trace_round import kernel_class, summarise
+
+
+def trace(*kernels):
+    """A Perfetto-style trace: a host thread and a GPU stream holding (name, start us, duration us)."""
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 1000.0, "name": "python"},
+    ]
+    events += [{"ph": "X", "pid": 2, "tid": 7, "ts": ts, "dur": dur, "name": name} for name, ts, dur in kernels]
+    return {"traceEvents": events}
+
+
+def test_kernels_after_the_prefill_are_summed_by_class_per_round():
+    t = trace(
+        ("cudnn_generated_fort_native_sdpa", 0.0, 100.0),  # prefill: left out
+        ("hybrid_split_k_attn_write", 200.0, 10.0),
+        ("split_k_combine", 210.0, 6.0),
+        ("void stream_executor::cuda::Run<16ul, float, unsigned int>", 216.0, 150.0),
+        ("loop_add_fusion", 366.0, 4.0),
+        ("hybrid_split_k_attn_write", 400.0, 10.0),
+        ("split_k_combine", 410.0, 6.0),
+        ("void stream_executor::cuda::Run<16ul, float, unsigned int>", 416.0, 150.0),
+        ("loop_add_fusion", 566.0, 4.0),
+    )
+    s = summarise(t, rounds=2)
+    assert s["Pallas attention"] == (1.0, pytest.approx(0.010))
+    assert s["split-K combine"] == (1.0, pytest.approx(0.006))
+    assert s["top-k, k = 16"] == (1.0, pytest.approx(0.150))
+    assert s["other fusions"] == (1.0, pytest.approx(0.004))
+    assert "cuDNN attention" not in s
+    assert s["busy"] == (4.0, pytest.approx(0.170))
+    assert s["span"][1] == pytest.approx((570.0 - 200.0) / 1e3 / 2)
+
+
+def test_kernel_classes():
+    assert kernel_class("gemm_fusion_dot_239") == "GEMM"
+    assert kernel_class("nvjet_sm90_tst_128x160") == "GEMM"
+    assert kernel_class("void stream_executor::cuda::Run<4ul, float, unsigned int>") == "top-k, other k"
+    assert kernel_class("commit_rows") == "commit"
+    assert kernel_class("input_reduce_fusion_144") == "other fusions"
+
+
+def test_a_trace_without_gpu_kernels_is_refused():
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        summarise(trace(), rounds=1)
