@@ -184,8 +184,8 @@ class Generator:
         profile: bool = False,
     ) -> GenerationResult:
         """prompt: text, token ids, or a list of either (a batch). eos_token_ids defaults to the
-        target config's. stream(tokens_so_far) is called every `stream_every` tokens (for a
-        speculative mode: every stream_every // (tree depth + 1) rounds).
+        target config's. stream(tokens_so_far) is called about every `stream_every` tokens (a
+        speculative mode's calls hold the rounds that many tokens took so far, `stream_rounds`).
         profile=True adds per-round timings to stats.profile. Ctrl-C raises
         `GenerationInterrupted` (a KeyboardInterrupt) whose `result` holds the tokens so far."""
         prompts = normalize_prompts(prompt, self.target.tokenizer, chat=chat)
