@@ -178,6 +178,18 @@ def test_documents_start_as_the_target_tokenizer_starts_a_text(adds_bos):
     assert encoder.encode("hello world") == [3, 4]  # no special tokens inside a document
 
 
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_a_batch_encodes_as_its_texts_one_by_one(tmp_path, adds_bos):
+    tokenizer = _word_tokenizer(adds_bos)
+    encoder = text_encoder(tokenizer, MODEL)
+    texts = ["hello world", "", "world world hello", "hello"]
+    assert encoder.encode_batch(texts) == [[3, 4], [], [4, 4, 3], [3]]
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": t, "response": "world"} for t in texts])
+    records = load_corpus([str(path)], encoder, MODEL, cache_dir=str(tmp_path / "cache")).records
+    bos = encoder.bos
+    assert [r["tokens"] for r in records] == [bos + encoder.encode(t) + [4, 256] for t in texts]
+
+
 def test_a_malformed_json_line_names_the_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "cut short\n{"text": "fine"}\n')

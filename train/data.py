@@ -50,6 +50,8 @@ class TextEncoder(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
 
 class ByteEncoder:
     """UTF-8 bytes as token ids 0..255: the tokenizer of a target that has none (random targets)."""
@@ -59,6 +61,9 @@ class ByteEncoder:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
 
 
 class HFEncoder:
@@ -76,6 +81,12 @@ class HFEncoder:
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         except TypeError:  # tokenizers without that keyword
             return list(self.tokenizer.encode(text))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """A fast (Rust) tokenizer encodes a batch on all cores; others go one text at a time."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return [self.encode(t) for t in texts]
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def text_encoder(tokenizer, model: ModelConfig) -> TextEncoder:
@@ -189,13 +200,15 @@ class _Tokenise:
         out = {"tokens": [], "loss_mask": [], "length": []}
         firsts = batch[self.first_field]
         responses = batch[self.response_field] if self.response_field else [None] * len(firsts)
-        for first, response in zip(firsts, responses):
-            head = self.bos + self.encoder.encode(first or "")
+        heads = self.encoder.encode_batch([first or "" for first in firsts])
+        tails = self.encoder.encode_batch([r or "" for r in responses]) if self.response_field else heads
+        for first_ids, tail_ids, response in zip(heads, tails, responses):
+            head = self.bos + first_ids
             if response is None:  # plain text: every token after BOS is a label
                 tokens = head + self.eos
                 mask = [0] * len(self.bos) + [1] * (len(tokens) - len(self.bos))
             else:  # SFT: labels are the response and its EOS only
-                tail = self.encoder.encode(response) + self.eos
+                tail = tail_ids + self.eos
                 tokens, mask = head + tail, [0] * len(head) + [1] * len(tail)
             empty = len(tokens) == len(self.bos) + len(self.eos)
             out["tokens"].append(tokens)
