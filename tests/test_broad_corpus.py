@@ -236,6 +236,29 @@ def test_target_text_resumes_without_duplicating_ids(tmp_path):
     assert target_text.main([*common[:-2], "--prompt-tokens", "30", "--max-docs", "1"]) == 2
 
 
+def test_target_text_passes_give_each_document_more_tasks():
+    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 200), "prose/book") for i in range(4)]
+    codec = target_text.ByteCodec(128)
+    tasks = list(target_text.TASKS)
+
+    def jobs(passes):
+        return list(target_text.make_jobs(docs, tasks, codec, (20, 30), seed=0, passes=passes))
+
+    one, seven = jobs(1), jobs(7)
+    assert seven[: len(one)] == one  # the first pass does not depend on --passes
+    assert len({j["id"] for j in seven}) == len(seven) == 7 * len(docs)
+    for doc in docs:
+        mine = [j for j in seven if j["path"] == doc.path]
+        assert {j["task"] for j in mine[: len(tasks)]} == set(tasks)  # five passes: five tasks
+        assert sum(j["id"].startswith(mine[0]["task"]) for j in mine) == 2  # the sixth pass repeats the first task
+    later = [j for j in seven[len(one) :] if j["task"] in target_text.CONTINUATIONS]
+    assert later and any(j["prompt"] != d.text[: len(j["prompt"])] for j in later for d in docs if d.path == j["path"])
+    for j in later:  # a later pass starts at a line start inside its document
+        text = next(d.text for d in docs if d.path == j["path"])
+        at = text.find(j["prompt"])
+        assert at >= 0 and (at == 0 or text[at - 1] == "\n")
+
+
 def test_target_text_stops_at_the_time_limit(tmp_path):
     class SlowGenerator:
         class target:

@@ -227,7 +227,9 @@ def batch_iterator(
 
     if len(corpus.records) < process_count:
         raise UserError(f"only {len(corpus.records)} records for {process_count} processes: add data")
-    ds = grain.MapDataset.source(corpus.records)[process_index::process_count]
+    # Rows read as numpy arrays straight from Arrow: read as Python lists (the default format) the
+    # pipeline made ~0.45 M tokens/s, less than one H200 trains on (benchmarks/bench_data_pipeline.py).
+    ds = grain.MapDataset.source(corpus.records.with_format("numpy"))[process_index::process_count]
     ds = ds.shuffle(seed=seed).repeat().map(_as_arrays)
     # Records are already in memory-mapped Arrow: reading in the main thread keeps order trivially
     # deterministic and costs little next to a training step.

@@ -3,9 +3,11 @@ documents, and the draft later learns from exactly the target's distribution.
 
     python -m train.target_text --corpus CORPUS/train --out target_text.jsonl [--target PATH]
         [--tasks sample,greedy,summarise,explain,continue] [--batch 64] [--max-new-tokens 256]
-        [--prompt-tokens 128,1024] [--temperature 0.8] [--max-docs N] [--time-limit-s S] [--seed 0]
+        [--prompt-tokens 128,1024] [--temperature 0.8] [--passes 1] [--max-docs N] [--time-limit-s S] [--seed 0]
 
-One job per document (its task taken in turn from --tasks, in a fixed hash order of the documents):
+One job per document and pass (--passes, default 1): in a fixed hash order of the documents, pass p
+gives document i the task --tasks[(i + p) % len(tasks)], so each pass asks a document for another
+task; from the second pass on, the prefix or excerpt starts at a line drawn inside the document:
 - sample / greedy: a prefix of the document (its length drawn from --prompt-tokens per job), continued
   at --temperature / greedily, raw text (no chat template);
 - summarise / explain / continue: an excerpt of the document and an instruction, one user turn of
@@ -81,15 +83,22 @@ def _order(doc: Document, seed: int) -> bytes:
     return hashlib.sha256(f"{seed}:{doc.key}".encode()).digest()
 
 
-def make_jobs(docs: list[Document], tasks, codec, prompt_tokens: tuple[int, int], seed: int) -> Iterator[dict]:
-    """Jobs in a fixed order: one per document, the task taken in turn. Each job's prompt length is
-    drawn from its own generator (seeded by its id), so a job is the same whatever runs before it."""
-    for i, doc in enumerate(sorted(docs, key=lambda d: _order(d, seed))):
-        task = tasks[i % len(tasks)]
-        job_id = f"{task}:{doc.key}"
+def make_jobs(
+    docs: list[Document], tasks, codec, prompt_tokens: tuple[int, int], seed: int, passes: int = 1
+) -> Iterator[dict]:
+    """Jobs in a fixed order: pass by pass, one per document, the task taken in turn and shifted by
+    one each pass. Each job's prompt length (and, after the first pass, its starting line) is drawn
+    from its own generator seeded by its id, so a job is the same whatever runs before it, and the
+    first pass is the same whatever --passes says."""
+    ordered = sorted(docs, key=lambda d: _order(d, seed))
+    for p, (i, doc) in itertools.product(range(passes), enumerate(ordered)):
+        task = tasks[(i + p) % len(tasks)]
+        round_ = p // len(tasks)  # a task comes back to a document every len(tasks) passes
+        job_id = f"{task}:{doc.key}" if round_ == 0 else f"{task}.{round_}:{doc.key}"
         rng = random.Random(f"{seed}:{job_id}")
         length = rng.randint(*prompt_tokens)
-        head = doc.text[: 8 * length]  # enough characters for `length` tokens
+        start = _line_start(doc.text, rng.randrange(max(1, len(doc.text) - 8 * length))) if p else 0
+        head = doc.text[start : start + 8 * length]  # enough characters for `length` tokens
         _, ids = codec.encode(head, chat=False)
         if task in CONTINUATIONS:
             if len(ids) < 2 * 16:
@@ -109,6 +118,11 @@ def make_jobs(docs: list[Document], tasks, codec, prompt_tokens: tuple[int, int]
             "prompt": prompt,
             "prompt_ids": prompt_ids,
         }
+
+
+def _line_start(text: str, at: int) -> int:
+    """The start of the line holding character `at`."""
+    return text.rfind("\n", 0, at) + 1
 
 
 def done_ids(out: Path) -> set[str]:
@@ -142,6 +156,7 @@ def generate_target_text(
     seed: int = 0,
     time_limit_s: float = 0.0,
     max_jobs: int | None = None,
+    passes: int = 1,
     target_name: str = "",
     log=print,
 ) -> dict:
@@ -154,8 +169,10 @@ def generate_target_text(
         raise UserError(
             f"--prompt-tokens {prompt_tokens} + --max-new-tokens {max_new_tokens} must fit the {window}-token window"
         )
+    if passes < 1:
+        raise UserError(f"--passes {passes} must be at least 1")
     done = done_ids(out)
-    jobs = itertools.islice(make_jobs(docs, list(tasks), codec, prompt_tokens, seed), max_jobs)
+    jobs = itertools.islice(make_jobs(docs, list(tasks), codec, prompt_tokens, seed, passes), max_jobs)
     start, slowest, written, skipped = time.monotonic(), 0.0, 0, 0
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as f:
@@ -217,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", default="128,1024", help="MIN,MAX prompt tokens (document prefix / excerpt)")
     p.add_argument("--temperature", type=float, default=0.8, help="of the sampled tasks (greedy: 0)")
+    p.add_argument("--passes", type=int, default=1, help="jobs per document, each pass another task (see above)")
     p.add_argument("--max-docs", type=int, help="use the first N jobs only")
     p.add_argument("--time-limit-s", type=float, default=0.0, help="stop cleanly before this many seconds (0: none)")
     p.add_argument("--seed", type=int, default=0)
@@ -249,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             time_limit_s=args.time_limit_s,
             max_jobs=args.max_docs,
+            passes=args.passes,
             target_name=args.target or "embedded SmolLM2-135M-Instruct",
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
