@@ -17,7 +17,9 @@ import time
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", action="append", required=True, help="file or folder (repeatable)")
-    parser.add_argument("--target", help="HF directory or .gguf (default: the embedded SmolLM2); only its tokenizer is used")
+    parser.add_argument(
+        "--target", help="HF directory or .gguf (default: the embedded SmolLM2); only its tokenizer is used"
+    )
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=40)

@@ -8,10 +8,14 @@ from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
 
 def test_prints_the_batches_per_second_of_the_trainers_iterator(tmp_path, capsys):
-    target = save_tiny_checkpoint(tmp_path / "target", tiny_config(vocab_size=320, bos_token_id=257, eos_token_ids=(256,)))
+    target = save_tiny_checkpoint(
+        tmp_path / "target", tiny_config(vocab_size=320, bos_token_id=257, eos_token_ids=(256,))
+    )
     data = tmp_path / "corpus.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(50)))
-    bench_data_pipeline.main(["--data", str(data), "--target", str(target), "--seq-len", "32", "--batch", "4", "--batches", "5"])
+    bench_data_pipeline.main(
+        ["--data", str(data), "--target", str(target), "--seq-len", "32", "--batch", "4", "--batches", "5"]
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     tokens = int(line.split()[0])
     assert tokens > 50 * 40 * 5  # every document tokenised as UTF-8 bytes (the tiny target has no tokenizer)
