@@ -35,7 +35,7 @@ def test_a_damaged_or_unwritable_store_is_ignored(tmp_path):
     forget_calibrations()
 
 
-def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
+def test_measured_round_costs_leave_out_what_a_call_costs_besides_its_rounds():
     import jax.numpy as jnp
     import numpy as np
     from flax import struct
@@ -58,3 +58,33 @@ def test_measured_round_costs_cancel_what_a_call_costs_besides_its_rounds():
     one_call_per_run = (overhead + 2 * cost[0]) / 2  # what timing a single short run would have said
     assert one_call_per_run > 2 * cost[0]
     assert int(state.rounds) > 4  # the rounds ran are the generation's own
+
+
+def test_a_misjudged_call_cost_moves_every_candidate_by_the_same_fraction():
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    from longspec_jax import calibration
+
+    @struct.dataclass
+    class State:
+        rounds: jnp.ndarray
+
+    cost, overhead = [0.001, 0.004], 0.003
+    now, runs = [0.0], []
+
+    def run(state, rounds, candidate):
+        n = rounds - int(state.rounds)
+        # A call that runs rounds costs more besides them than an empty call does (20 % here).
+        now[0] += (overhead if n else 0.8 * overhead) + n * cost[candidate]
+        runs.append((candidate, n))
+        return State(jnp.asarray(rounds))
+
+    _, seconds = calibration.measure_rounds(State(jnp.asarray(0)), run, 2, clock=lambda: now[0])
+    timed = [max(n for c, n in runs if c == k) for k in range(2)]  # each candidate's longest call
+    windows = [n * c for n, c in zip(timed, cost)]
+    assert all(0.5 * calibration.TIMED_SECONDS <= w <= 1.5 * calibration.TIMED_SECONDS for w in windows)
+    ratio = seconds[1] / seconds[0]
+    assert abs(ratio / (cost[1] / cost[0]) - 1) < 0.05, seconds  # what the policy compares stays right
+    assert np.all(seconds > cost)  # each alone is off by the misjudged 0.6 ms a call
