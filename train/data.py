@@ -201,7 +201,7 @@ class _Tokenise:
         firsts = batch[self.first_field]
         responses = batch[self.response_field] if self.response_field else [None] * len(firsts)
         heads = self.encoder.encode_batch([first or "" for first in firsts])
-        tails = self.encoder.encode_batch([r or "" for r in responses]) if self.response_field else heads
+        tails = self.encoder.encode_batch([r or "" for r in responses]) if self.response_field else responses
         for first_ids, tail_ids, response in zip(heads, tails, responses):
             head = self.bos + first_ids
             if response is None:  # plain text: every token after BOS is a label
