@@ -158,6 +158,24 @@ def test_a_later_stage_starts_from_the_previous_stages_draft(uninterrupted, corp
     assert not np.allclose(np.asarray(continued), np.asarray(fresh))
 
 
+def test_init_draft_starts_a_stage_from_the_given_weights(uninterrupted, corpus_file, tmp_path):
+    from train.trainer import _initial_draft
+
+    result, _ = uninterrupted
+    cfg = tiny_cfg(corpus_file, tmp_path / "continued", f"init_draft={result.draft_path}")
+    target = random_target(cfg.model, seed=cfg.seed)
+    started = _initial_draft(cfg, target).block.mlp.up_proj.kernel[...]
+    exported = load_draft(result.draft_path, target).block.mlp.up_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(started), np.asarray(exported))
+
+
+def test_a_missing_init_draft_is_refused_before_training(corpus_file, tmp_path):
+    cfg = tiny_cfg(corpus_file, tmp_path / "run", f"init_draft={tmp_path / 'nowhere'}")
+    with pytest.raises(UserError, match="init_draft=.*nowhere does not exist"):
+        train(cfg)
+    assert not (tmp_path / "run" / "stage1").exists()
+
+
 def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_file):
     result, _ = uninterrupted
     with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):

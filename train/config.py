@@ -67,6 +67,11 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024  # the cross-entropy's logits are made this many rows at a time
     # Bookkeeping.
     seed: int = 0
+    # Start the draft from these weights rather than at random: any path `load_draft` reads (our
+    # export, a reference HF draft or .pth). For fine-tuning, or continuing from an exported draft
+    # when the run's checkpoints are gone. A later stage without it starts from the previous
+    # stage's export; a checkpoint to resume from always wins.
+    init_draft: str | None = None
     output_dir: str = "runs/default"
     checkpoint_every: int = 500
     keep_checkpoints: int = 3

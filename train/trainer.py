@@ -110,6 +110,10 @@ def train(cfg: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult:
     deadline = time.monotonic() + cfg.time_limit_s if cfg.time_limit_s else math.inf
     _check_output_dir(cfg)
     files = find_files(cfg.current.data)  # a wrong data path fails now, not after loading the target
+    if cfg.init_draft and not Path(cfg.init_draft).exists():
+        raise UserError(
+            f"init_draft={cfg.init_draft} does not exist: give an exported draft directory or leave it unset"
+        )
     sharding.maybe_initialize_distributed()
     lock = _on_process_0(lambda: OutputLock.acquire(cfg.output_dir))
     try:
@@ -323,6 +327,8 @@ def _batch_layout(cfg: TrainConfig, mesh) -> tuple[int, int]:
 def _initial_draft(cfg: TrainConfig, target):
     from longspec_jax.draft_io import init_draft, load_draft
 
+    if cfg.init_draft:
+        return load_draft(cfg.init_draft, target)
     previous = Path(cfg.output_dir) / f"stage{cfg.stage - 1}" / "draft"
     if cfg.stage > 1 and previous.is_dir():
         return load_draft(previous, target)
