@@ -28,6 +28,7 @@ TIMED_SECONDS = 0.02  # about how long each candidate's timed run takes
 PROBE_ROUNDS = 2  # rounds that size the timed run
 MAX_TIMED_ROUNDS = 32
 CALL_REPEATS = 3  # calls without a round, the fastest taken as what a call costs besides its rounds
+UNMEASURED_SECONDS = 1.0  # a candidate's cost a round until it is measured: too dear to pick
 METHOD = 2  # part of the key: costs measured another way are measured again
 _MEMORY: dict[str, dict[str, float]] = {}
 
@@ -89,7 +90,7 @@ def calibration_folder() -> Path | None:
         return None
 
 
-def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
+def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_counter):
     """Seconds per round of each candidate, timed on the generation's own rounds -> (state after
     them, float seconds[K], NaN where the request ended first). run(state, rounds, candidate) runs
     a candidate's loop until `rounds` rounds in total. Each candidate runs one round to warm up;
@@ -99,7 +100,8 @@ def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
     timed run takes about the same time, so an error in the call cost shifts every candidate's cost
     by about the same fraction and leaves the policy's choice alone. (Taking the difference of a
     2-round and a 6-16-round call instead said 0.37-0.51 ms for an AR round that costs 0.78 ms in
-    the same loop on the H200.) `clock` reads seconds (tests pass a simulated one)."""
+    the same loop on the H200.) only: the candidate indices to measure (default: all; the others
+    stay NaN). `clock` reads seconds (tests pass a simulated one)."""
 
     def timed(state, rounds, k):
         start = clock()
@@ -107,7 +109,7 @@ def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
         return state, clock() - start
 
     seconds = np.full((candidates,), np.nan)
-    for k in range(candidates):
+    for k in range(candidates) if only is None else only:
         state = jax.block_until_ready(run(state, int(state.rounds) + 1, k))
         base = int(state.rounds)
         call = math.inf
@@ -130,19 +132,23 @@ def measure_rounds(state, run, candidates: int, clock=time.perf_counter):
 def calibrated(state, run, names: tuple[str, ...], key: str):
     """The loop state with the policy's round costs set: from memory or disk when this kind of
     request was measured before, else measured now on the first rounds (each candidate's rounds
-    also count as evidence for the policy). -> (state, where the costs came from: "kept" or
-    "measured")."""
+    also count as evidence for the policy). A request that ends before every candidate ran keeps
+    what it measured, and the next request measures only the rest; until then a candidate not
+    measured costs UNMEASURED_SECONDS a round, so the policy leaves it alone. -> (state, where the
+    costs came from: "kept" or "measured")."""
     folder = calibration_folder()
-    kept = load_calibration(key, folder)
-    if kept is not None and set(kept) == set(names):
-        seconds, source = np.asarray([kept[n] for n in names]), "kept"
-    else:
-        state, seconds = measure_rounds(state, run, len(names))
+    kept = {n: s for n, s in (load_calibration(key, folder) or {}).items() if n in names}
+    missing = [k for k, n in enumerate(names) if n not in kept]
+    source = "kept"
+    if missing:
+        only = {} if len(missing) == len(names) else {"only": missing}
+        state, measured = measure_rounds(state, run, len(names), **only)
         source = "measured"
-        if np.isnan(seconds).any():  # the request ended before every candidate ran: do not keep it
-            seconds = np.where(np.isnan(seconds), np.nanmax(np.append(seconds, 1.0)), seconds)
-        else:
-            save_calibration(key, dict(zip(names, seconds.tolist())), folder)
+        new = {names[k]: float(measured[k]) for k in missing if np.isfinite(measured[k])}
+        if new:
+            kept = {**kept, **new}
+            save_calibration(key, kept, folder)
+    seconds = np.asarray([kept.get(n, UNMEASURED_SECONDS) for n in names])
     return with_round_costs(state, seconds), source
 
 

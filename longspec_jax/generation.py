@@ -19,8 +19,9 @@ not: temperature (greedy <-> sampling in the fixed modes), the values of top-k /
 max_new_tokens within its bucket, EOS ids (of one count).
 
 The loop runs in chunks of rounds with a host check in between: `stream_every` tokens' worth when
-streaming, else CHUNK_ROUNDS. Ctrl-C between or during chunks raises `GenerationInterrupted`
-carrying the tokens made so far.
+streaming, else the whole request in one call when it is short (WHOLE_REQUEST_ROUNDS), CHUNK_ROUNDS
+when it is long. Ctrl-C between or during chunks raises `GenerationInterrupted` carrying the tokens
+made so far. A `Generator` keeps each shape's programs, so a request pays no tracing or hashing.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ DEFAULT_MODE = AUTO_MODE
 # is done (one sync, well under a millisecond); a round takes a millisecond or more, so the check
 # costs under 1 % of decoding, and Ctrl-C waits at most this many rounds.
 CHUNK_ROUNDS = 128
+# ... unless the whole request fits in this many rounds: then one call runs it all (each call costs
+# the host a dispatch and a read, ~1 ms together, which a short request feels).
+WHOLE_REQUEST_ROUNDS = 512
 SEED_RANGE = (-(2**63), 2**63)  # what jax.random.key takes
 
 StreamCallback = Callable[[list[list[int]]], None]
@@ -99,6 +103,19 @@ def check_seed(seed) -> int:
     if not SEED_RANGE[0] <= int(seed) < SEED_RANGE[1]:
         raise UserError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}: use a smaller seed")
     return int(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopPrograms:
+    """A request shape's loop: its config, the compiled `start` and `decode`, the state's shapes,
+    the adaptive calibration's key (None for a fixed mode) and what compiling them took."""
+
+    config: LoopConfig
+    start: Any
+    state_shape: Any
+    loop: Any
+    calibration_key: str | None
+    compile_s: float
 
 
 @dataclasses.dataclass
@@ -152,6 +169,7 @@ class Generator:
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
         self._adaptive: dict[tuple, tuple] = {}
+        self._programs: dict[tuple, Any] = {}  # compiled programs by shape (loop_programs, run_prefill)
         if mode == AUTO_MODE:
             self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
         else:
@@ -204,9 +222,52 @@ class Generator:
     def run_prefill(self, batch: PromptBatch, cache_len: int):
         """-> (last_logits, cache, seconds, compile seconds)."""
         args = (self.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths))
-        run, compile_s = compiled(prefill, *args, graphdef=self.graphdef, max_len=cache_len, attn_impl=self.attn_impl)
-        (last_logits, cache), seconds = timed(run, *args)
+        key = ("prefill", batch.tokens.shape, cache_len)
+        compile_s = 0.0
+        if key not in self._programs:
+            self._programs[key], compile_s = compiled(
+                prefill, *args, graphdef=self.graphdef, max_len=cache_len, attn_impl=self.attn_impl
+            )
+        (last_logits, cache), seconds = timed(self._programs[key], *args)
         return last_logits, cache, seconds, compile_s
+
+    def loop_programs(self, proposer, proposer_params, new_bucket: int, cache_len: int, start_args) -> _LoopPrograms:
+        """The loop's programs for these shapes, built once per Generator and shape: keying the
+        process-wide compile cache hashes the graph definitions and tracing `start` for its
+        output's shapes takes milliseconds of host time, which a request should not pay again."""
+        rest = start_args[2:]  # the model's and the proposer's parameters keep their shapes
+        key = (
+            id(proposer),
+            new_bucket,
+            jax.tree.structure(rest),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(rest)),
+        )
+        if key in self._programs:
+            return dataclasses.replace(self._programs[key], compile_s=0.0)
+        config = LoopConfig(self.graphdef, proposer, new_bucket, self.attn_impl)
+        run_start, c1 = compiled(start, *start_args, config=config)
+        state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
+        rounds_limit = jnp.asarray(0, jnp.int32)
+        policy_picks = jnp.asarray(-1, jnp.int32)  # adaptive: the policy picks each round's candidate
+        sampling = start_args[6]
+        loop, c2 = compiled(
+            decode, self.params, proposer_params, state_shape, rounds_limit, sampling, policy_picks, config=config
+        )
+        calibration = None
+        if isinstance(proposer, Adaptive):
+            calibration = calibration_key(
+                target=repr(self.target.config),
+                dtype=str(self.target.dtype),
+                draft=None if self.draft is None else repr(self.draft.config),
+                batch=start_args[3].shape[0],
+                cache_rows=cache_len,
+                new_bucket=new_bucket,
+                candidates=proposer.names,
+                attn_impl=self.attn_impl,
+                filters=(sampling.use_top_k, sampling.use_top_p),
+            )
+        self._programs[key] = _LoopPrograms(config, run_start, state_shape, loop, calibration, c1 + c2)
+        return self._programs[key]
 
     def decode(self, prompts: list[list[int]], request: DecodeRequest) -> GenerationResult:
         """The host driver for checked prompts: prefill, the loop in chunks, the result."""
@@ -217,7 +278,6 @@ class Generator:
         prompt_bucket, new_bucket, cache_len = plan_lengths(max(map(len, prompts)), request.max_new_tokens, slack=slack)
         batch = prompt_batch(prompts, prompt_bucket)
         last_logits, cache, prefill_s, compile_s = self.run_prefill(batch, cache_len)
-        config = LoopConfig(self.graphdef, proposer, new_bucket, self.attn_impl)
         stop = StopRule.create(request.eos_token_ids, request.max_new_tokens)
         start_args = (
             self.params,
@@ -230,22 +290,13 @@ class Generator:
             jax.random.key(request.seed),
             stop,
         )
-        run_start, c1 = compiled(start, *start_args, config=config)
-        state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
-        rounds_limit = jnp.asarray(0, jnp.int32)
-        policy_picks = jnp.asarray(-1, jnp.int32)  # adaptive: the policy picks each round's candidate
-        loop, seconds = compiled(
-            decode,
-            self.params,
-            proposer_params,
-            state_shape,
-            rounds_limit,
-            request.sampling,
-            policy_picks,
-            config=config,
-        )
-        compile_s += c1 + seconds
-        chunk = CHUNK_ROUNDS if request.stream is None else stream_rounds(request.stream_every, 1.0 + len(widths) / 2)
+        programs = self.loop_programs(proposer, proposer_params, new_bucket, cache_len, start_args)
+        state_shape, loop = programs.state_shape, programs.loop
+        compile_s += programs.compile_s
+        if request.stream is not None:
+            chunk = stream_rounds(request.stream_every, 1.0 + len(widths) / 2)
+        else:  # every round keeps at least one token of every active sequence
+            chunk = request.max_new_tokens if request.max_new_tokens <= WHOLE_REQUEST_ROUNDS else CHUNK_ROUNDS
 
         def result(progress: _Progress, decode_s: float, profile=None, timeline=None) -> GenerationResult:
             tokens = finish_tokens(progress.out, progress.n_new, request.eos_token_ids)
@@ -277,27 +328,20 @@ class Generator:
         calibration = None
         runs = []  # each call of the loop: (what, rounds, seconds), the host's reads included
         try:
-            state = run_start(*start_args)
+            state = programs.start(*start_args)
+            rounds = 0  # the host reads the state only after a loop call: no sync before the loop
             if adaptive:
-                key = calibration_key(
-                    target=repr(self.target.config),
-                    dtype=str(self.target.dtype),
-                    draft=None if self.draft is None else repr(self.draft.config),
-                    batch=len(prompts),
-                    cache_rows=cache_len,
-                    new_bucket=new_bucket,
-                    candidates=proposer.names,
-                    attn_impl=self.attn_impl,
-                    filters=(request.sampling.use_top_k, request.sampling.use_top_p),
-                )
-                state, calibration = calibrated(state, run, proposer.names, key)
-            progress = _Progress.read(state)
-            runs.append(("start", progress.rounds, time.perf_counter() - t0))
-            while not progress.done.all():
-                started, before = time.perf_counter(), progress.rounds
-                state = run(state, progress.rounds + chunk)
+                state, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
+                rounds = int(state.rounds) if calibration == "measured" else 0
+            if request.profile:
+                jax.block_until_ready(state)
+                runs.append(("start", rounds, time.perf_counter() - t0))
+            while progress is None or not progress.done.all():
+                started = time.perf_counter()
+                state = run(state, rounds + chunk)
                 progress = _Progress.read(state)
-                runs.append(("loop", progress.rounds - before, time.perf_counter() - started))
+                runs.append(("loop", progress.rounds - rounds, time.perf_counter() - started))
+                rounds = progress.rounds
                 if request.stream is not None:
                     chunk = stream_rounds(request.stream_every, progress.emitted / max(progress.active_rounds, 1))
                     request.stream(finish_tokens(progress.out, progress.n_new, request.eos_token_ids))
@@ -308,7 +352,7 @@ class Generator:
 
         profile = {}
         if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy
-            profile, state = profile_round(config, self.params, proposer_params, state, request.sampling)
+            profile, state = profile_round(programs.config, self.params, proposer_params, state, request.sampling)
         if request.profile:
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)
             timeline = [{"what": name, "rounds": n, "ms": 1e3 * s} for name, n, s in runs]

@@ -88,3 +88,46 @@ def test_a_misjudged_call_cost_moves_every_candidate_by_the_same_fraction():
     ratio = seconds[1] / seconds[0]
     assert abs(ratio / (cost[1] / cost[0]) - 1) < 0.05, seconds  # what the policy compares stays right
     assert np.all(seconds > cost)  # each alone is off by the misjudged 0.6 ms a call
+
+
+def test_a_request_that_ends_early_keeps_what_it_measured_and_the_next_measures_the_rest(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    from longspec_jax import calibration
+
+    @struct.dataclass
+    class State:
+        rounds: jnp.ndarray
+        proposal: object = None
+
+    cost, end = [0.001, 0.002, 0.004], [30]  # the request ends after `end` rounds
+    now, measured = [0.0], []
+
+    def run(state, rounds, candidate):
+        rounds = min(rounds, end[0])
+        now[0] += 0.003 + (rounds - int(state.rounds)) * cost[candidate]
+        if rounds > int(state.rounds):
+            measured.append(candidate)
+        return State(jnp.asarray(rounds))
+
+    real = calibration.measure_rounds
+    monkeypatch.setattr(calibration, "calibration_folder", lambda: tmp_path)
+    monkeypatch.setattr(calibration, "with_round_costs", lambda state, seconds: (state, seconds))
+    monkeypatch.setattr(calibration, "measure_rounds", lambda *a, **k: real(*a, **k, clock=lambda: now[0]))
+    names = ("ar", "pld", "tree")
+    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    assert source == "measured" and set(measured) == {0, 1}  # the tree's turn came after the end
+    np.testing.assert_allclose(seconds[:2], cost[:2], rtol=1e-6)
+    assert seconds[2] == calibration.UNMEASURED_SECONDS
+    calibration.forget_calibrations()
+    measured.clear()
+    end[0] = 1000
+    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    assert source == "measured" and set(measured) == {2}  # only what was missing
+    np.testing.assert_allclose(seconds, cost, rtol=1e-6)
+    measured.clear()
+    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    assert source == "kept" and measured == []
+    calibration.forget_calibrations()

@@ -107,6 +107,35 @@ def test_prompts_in_one_bucket_compile_once_and_profile_reports_steps(target):
     assert all(np.isfinite(v) and v > 0 for v in again.stats.profile.values())
 
 
+def test_a_repeated_shape_neither_traces_nor_keys_the_compile_cache(target, monkeypatch):
+    """A Generator's second request of a shape reuses its programs: no `start` traced for its
+    output's shapes, no compile-cache key hashed (each costs milliseconds of host time)."""
+    from longspec_jax import generation
+
+    gen = Generator(target, mode="ar")
+    first = gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
+    calls = []
+    monkeypatch.setattr(generation.jax, "eval_shape", lambda *a, **k: calls.append("eval_shape"))
+    monkeypatch.setattr(generation, "compiled", lambda *a, **k: calls.append("compiled"))
+    again = gen.generate(PROMPT_A, max_new_tokens=6, eos_token_ids=())
+    assert calls == []
+    assert again.tokens == first.tokens and again.stats.compile_s == 0.0
+
+
+def test_a_short_request_runs_in_one_call_and_a_long_one_in_chunks(target, monkeypatch):
+    from longspec_jax import generation
+
+    gen = Generator(target, mode="ar")
+    short = gen.generate(PROMPT_A, max_new_tokens=20, eos_token_ids=(), profile=True)
+    assert [r["what"] for r in short.stats.runs] == ["start", "loop"]
+    assert short.stats.rounds == 19
+    monkeypatch.setattr(generation, "WHOLE_REQUEST_ROUNDS", 8)
+    monkeypatch.setattr(generation, "CHUNK_ROUNDS", 8)
+    chunked = gen.generate(PROMPT_A, max_new_tokens=20, eos_token_ids=(), profile=True)
+    assert [r["rounds"] for r in chunked.stats.runs] == [0, 8, 8, 3]
+    assert chunked.tokens == short.tokens
+
+
 def test_greedy_and_sampling_share_one_compiled_program(target):
     """Switching temperature 0 <-> > 0 (and the seed, top-k / top-p values while on) adds no
     entry to the compile cache; turning top-k on is a new program (a vocabulary sort)."""
