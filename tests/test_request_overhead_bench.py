@@ -1,0 +1,47 @@
+"""benchmarks/request_overhead.py runs end to end on a tiny model (CPU) and its fit is consistent:
+the fixed cost and the round cost reproduce the measured decode time."""
+
+from benchmarks import request_overhead
+
+
+def test_small_run_reports_every_mode_and_the_call_costs(capsys):
+    report = request_overhead.main(["--small", "--batch-sizes", "1,2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    seen = [(r["batch"], r["mode"]) for r in report["requests"]]
+    assert seen == [(1, "ar"), (1, "auto"), (1, "longspec"), (1, "pld"), (2, "ar"), (2, "auto")]
+    for r in report["requests"]:
+        assert r["round_ms"] > 0 and r["wall_extra_ms"] >= 0
+    auto = next(r for r in report["requests"] if r["mode"] == "auto")
+    assert set(auto["calibrated_ms"]) >= {"ar", "pld"} and all(v > 0 for v in auto["calibrated_ms"].values())
+    assert [c["rounds"] for c in report["calls"]] == [0, 1] and all(c["ms"] > 0 for c in report["calls"])
+    assert "ms a round" in out and "one call" in out
+
+
+def test_the_fit_reproduces_a_linear_cost(monkeypatch):
+    """With a simulated generator whose decode time is 3 ms + 0.5 ms a round, the fit says so."""
+
+    class Stats:
+        def __init__(self, rounds):
+            self.rounds, self.decode_s, self.prefill_s, self.policy = rounds, 0.003 + 0.0005 * rounds, 0.0, {}
+
+    class Result:
+        def __init__(self, n):
+            self.stats = Stats(n - 1)
+
+    class FakeGenerator:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate(self, prompts, max_new_tokens, eos_token_ids):
+            return Result(max_new_tokens)
+
+    monkeypatch.setattr(request_overhead.generation, "Generator", FakeGenerator)
+
+    class Config:
+        vocab_size = 100
+
+    class Target:
+        config = Config()
+
+    r = request_overhead.per_request(Target(), None, 10, 1, "ar", (130, 256), repeats=1)
+    assert abs(r["round_ms"] - 0.5) < 1e-9 and abs(r["fixed_ms"] - 3.0) < 1e-9
