@@ -35,7 +35,7 @@ from longspec_jax.acceptance import Acceptance, accept
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import BlockKV, KVCache, Transformer, commit
-from longspec_jax.policy import choose, record
+from longspec_jax.policy import AR, ar_rounds_before_a_retry, choose, record, record_ar_rounds
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -173,7 +173,9 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
         kept, active = n_keep.sum(), (~state.done).sum()
         slowest = jnp.min(jnp.where(state.done, jnp.iinfo(jnp.int32).max, n_keep))
-        policy = record(state.proposal.policy, jnp.int32(k), kept, active, slowest)
+        policy = state.proposal.policy  # AR rounds are recorded together (decode)
+        if k != AR:
+            policy = record(policy, jnp.int32(k), kept, active, slowest)
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)
@@ -264,5 +266,23 @@ def decode(
 
         return run
 
-    branches = [rounds_of(k) for k in range(len(config.proposer.candidates))]
+    def ar_rounds(s):
+        # AR rounds leave the policy's estimates alone, so the rounds until its pick changes are
+        # known on entry: run them without consulting it, then record them at once.
+        n = jnp.where(candidate >= 0, stop_at, ar_rounds_before_a_retry(s.proposal.policy))
+        until = s.rounds + jnp.minimum(n, stop_at - s.rounds)
+        ran = jax.lax.while_loop(
+            lambda t: more(t) & (t.rounds < until),
+            lambda t: run_round(config, params, proposer_params, t, sampling, AR),
+            s,
+        )
+        policy = record_ar_rounds(
+            ran.proposal.policy,
+            ran.rounds - s.rounds,
+            (ran.n_new - s.n_new).sum(),
+            (ran.active_rounds - s.active_rounds).sum(),
+        )
+        return ran.replace(proposal=ran.proposal.replace(policy=policy))
+
+    branches = [ar_rounds if k == AR else rounds_of(k) for k in range(len(config.proposer.candidates))]
     return jax.lax.while_loop(more, lambda s: jax.lax.switch(pick(s), branches, s), state)

@@ -101,6 +101,44 @@ def choose(policy: PolicyState, xp=jnp):
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
 
 
+def ar_rounds_before_a_retry(policy: PolicyState) -> jax.Array:
+    """int32[]: how many AR rounds in a row `choose` picks from here, given that it picks AR now.
+    AR rounds change no estimate (AR's is fixed at 1), so the best stays AR and only the retry
+    clocks advance: the pick changes when the first candidate's retry falls due. The loop runs
+    that many AR rounds without consulting the policy each round (decode_loop.decode) and
+    records them at once (`record_ar_rounds`); the picks are the same as round by round."""
+    rates = expected_rates(policy)
+    best = jnp.argmax(rates)
+    could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
+    candidates = jnp.arange(policy.since_used.shape[0])
+    eligible = (candidates != best) & (candidates != AR) & could_win
+    # A retry of k is due once since_used[k] reaches its threshold (_rounds_overdue >= 0).
+    due_in = jnp.ceil(-_rounds_overdue(policy, best, jnp)).astype(jnp.int32)
+    never = jnp.iinfo(jnp.int32).max // 2
+    return jnp.maximum(jnp.min(jnp.where(eligible, due_in, never)), 1)
+
+
+def record_ar_rounds(policy: PolicyState, rounds: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:
+    """`record` of `rounds` (int32[]) AR rounds in a row that kept `kept` tokens while `active`
+    sequences ran, in all (int32[] each): the same state as recording them one by one."""
+    k = policy.since_used.shape[0]
+    is_ar = jnp.arange(k) == AR
+    ran = rounds > 0
+    best = jnp.argmax(expected_rates(policy))
+    # Each round: AR's wait doubles unless AR is the best (it is, unless a caller forces AR);
+    # the best's resets. AR's own wait is never read (AR is not retried).
+    doubled = jnp.minimum(policy.wait * (1 << jnp.minimum(rounds, 8)), MAX_WAIT)
+    wait = jnp.where(is_ar & (best != AR) & ran, doubled, policy.wait)
+    wait = jnp.where((jnp.arange(k) == best) & ran, FIRST_WAIT, wait)
+    return policy.replace(
+        since_used=jnp.where(is_ar, jnp.where(ran, 0, policy.since_used), policy.since_used + rounds),
+        wait=wait,
+        rounds=policy.rounds + jnp.where(is_ar, rounds, 0),
+        emitted=policy.emitted + jnp.where(is_ar, kept, 0),
+        active=policy.active + jnp.where(is_ar, active, 0),
+    )
+
+
 def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, slowest=None) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
     in total (int32[]): update its estimate and the retry clocks. slowest (int32[], optional): the

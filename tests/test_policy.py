@@ -115,3 +115,32 @@ def test_a_batch_is_judged_by_its_slowest_sequence():
 
     assert (run(use_slowest=False)[10:] == 1).mean() > 0.9  # misled by the mean
     assert (run(use_slowest=True)[10:] == AR).mean() > 0.9
+
+
+def test_ar_rounds_recorded_at_once_equal_round_by_round():
+    """From many policy states where AR is picked: the count of AR picks in a row that
+    ar_rounds_before_a_retry gives is the one round-by-round choosing makes, and record_ar_rounds
+    leaves the state that recording each of those rounds does."""
+    from longspec_jax.policy import ar_rounds_before_a_retry, record_ar_rounds
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(120):
+        k = int(rng.integers(2, 5))
+        policy = init_policy(rng.uniform(0.5, 3.0, k), rng.uniform(1.0, 4.0, k), rng.integers(2, 8, k).astype(float))
+        for _ in range(int(rng.integers(0, 40))):  # some history: evidence, waits, clocks
+            c = choose(policy)
+            policy = record(policy, c, jnp.int32(int(rng.choice([1, 1, 1, 2, 4]))), jnp.int32(1))
+        if int(choose(policy)) != AR:
+            continue
+        n = int(ar_rounds_before_a_retry(policy))
+        step, picks = policy, 0
+        while int(choose(step)) == AR and picks < 3 * MAX_WAIT:
+            step = record(step, jnp.int32(AR), jnp.int32(2), jnp.int32(2))  # a batch of 2
+            picks += 1
+        assert picks == min(n, 3 * MAX_WAIT), (trial, picks, n)
+        at_once = record_ar_rounds(policy, jnp.int32(picks), jnp.int32(2 * picks), jnp.int32(2 * picks))
+        for field in ("since_used", "wait", "rounds", "emitted", "active", "tokens_per_round"):
+            np.testing.assert_array_equal(np.asarray(getattr(at_once, field)), np.asarray(getattr(step, field)), field)
+        checked += 1
+    assert checked >= 20
