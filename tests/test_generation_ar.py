@@ -225,6 +225,16 @@ def test_first_token_distribution_matches_the_filtered_softmax():
     assert chi2 < 20.5  # the 99.9% quantile of chi-square with 5 degrees of freedom
 
 
+def test_token_ids_of_any_integer_type_pass_and_bools_do_not():
+    from longspec_jax.decode_kit import normalize_prompts
+
+    assert normalize_prompts([1, 2, 3]) == [[1, 2, 3]]
+    assert normalize_prompts([[np.int64(4), 5], [6]]) == [[4, 5], [6]]
+    assert all(type(t) is int for t in normalize_prompts([np.int32(7), 8])[0])
+    with pytest.raises(UserError, match="token ids must be integers, got True"):
+        normalize_prompts([[1, True]])
+
+
 def test_bad_inputs_raise_user_errors(target):
     with pytest.raises(UserError, match="empty prompt"):
         generate(target, [], mode="ar", max_new_tokens=4)
