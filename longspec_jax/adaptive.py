@@ -14,7 +14,8 @@ the root and shallower; large batches get smaller trees. The choice each round i
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft share it. After every round each source is brought up to date: the one that
 proposed through `accept`, the others through `skip` then `accept` (the draft writes the tokens it did
-not see into its ring from their embeddings alone, which is what it would have written itself).
+not see into its ring from their embeddings alone, which is what it would have written itself),
+except that the draft sits out a run of AR rounds and catches up once after it (`catch_up`).
 
 Every candidate's round is exact (greedy: AR's tokens; sampling: AR's distribution), so switching at
 any round keeps the output exact; the policy only decides speed.
@@ -77,6 +78,12 @@ class Adaptive:
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.candidates)
 
+    def waits_out_ar(self, source: int) -> bool:
+        """Whether source `source` sits out runs of AR rounds and catches up after them from the
+        output (`catch_up`): the draft, whose per-round catch-up costs a projection and a ring
+        write a round; prompt lookup's history write is cheaper kept per round."""
+        return isinstance(self.sources[source], DraftProposer)
+
     @property
     def widths(self) -> tuple[int, ...]:
         """The deepest candidate's widths: buffers are sized for its round."""
@@ -132,7 +139,7 @@ def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
     if trees:
         check_draft(draft, target.config)
         graphdef, draft_params = nnx.split(draft.block)
-        block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)))
+        block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)), window=draft.config.window)
         rows = max(len(w) for _, w in plan) + 1  # any candidate's round may be the draft's next input
         sources.append(DraftProposer(block, trees[0], pending_rows=rows))
         params.append(draft_params)

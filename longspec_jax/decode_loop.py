@@ -164,13 +164,22 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
     tree, mine = candidate.proposer.propose(
         proposer_params[candidate.source], model, sources[candidate.source], state.roots, state.cache, config.attn_impl
     )
+    # In a run of AR rounds the draft sits out and catches up after it (decode).
+    waits = [k == AR and adaptive.waits_out_ar(j) for j in range(len(adaptive.sources))]
     current = [
-        mine if j == candidate.source else src.skip(proposer_params[j], model, sources[j], state.cache)
+        mine
+        if j == candidate.source
+        else sources[j]
+        if waits[j]
+        else src.skip(proposer_params[j], model, sources[j], state.cache)
         for j, src in enumerate(adaptive.sources)
     ]
 
     def update(emitted, n_keep, positions):
-        accepted = tuple(src.accept(s, emitted, n_keep, positions) for src, s in zip(adaptive.sources, current))
+        accepted = tuple(
+            s if wait else src.accept(s, emitted, n_keep, positions)
+            for src, s, wait in zip(adaptive.sources, current, waits)
+        )
         kept, active = n_keep.sum(), (~state.done).sum()
         slowest = jnp.min(jnp.where(state.done, jnp.iinfo(jnp.int32).max, n_keep))
         policy = state.proposal.policy  # AR rounds are recorded together (decode)
@@ -282,7 +291,14 @@ def decode(
             (ran.n_new - s.n_new).sum(),
             (ran.active_rounds - s.active_rounds).sum(),
         )
-        return ran.replace(proposal=ran.proposal.replace(policy=policy))
+        model = nnx.merge(config.graphdef, params)
+        sources = tuple(
+            src.catch_up(proposer_params[j], model, state_j, ran.out, ran.n_new, ran.cache.lengths)
+            if config.proposer.waits_out_ar(j)
+            else state_j
+            for j, (src, state_j) in enumerate(zip(config.proposer.sources, ran.proposal.sources))
+        )
+        return ran.replace(proposal=ran.proposal.replace(sources=sources, policy=policy))
 
     branches = [ar_rounds if k == AR else rounds_of(k) for k in range(len(config.proposer.candidates))]
     return jax.lax.while_loop(more, lambda s: jax.lax.switch(pick(s), branches, s), state)

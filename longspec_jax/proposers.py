@@ -118,6 +118,7 @@ class BlockDraft:
 
     graphdef: Any
     tree_slots: int
+    window: int  # the ring's positions (DraftConfig.window)
 
     def init_state(self, params, batch: int):
         return init_draft_state(nnx.merge(self.graphdef, params), batch, tree_slots=self.tree_slots)
@@ -182,6 +183,22 @@ class DraftProposer:
         positions, valid = self._pending_positions(state, cache.lengths)
         draft = self.draft.remember(params, model, state.draft, state.pending, positions, valid)
         return state.replace(draft=draft, n_pending=jnp.zeros_like(state.n_pending))
+
+    def catch_up(self, params, model, state: DraftProposal, out, n_out, root_pos):
+        """After rounds it did not see (adaptive.py runs AR rounds without updating the draft):
+        out int32[B, N] the generated tokens, the first n_out[b] valid, the last of them the root
+        at position root_pos[b]. The `window` tokens before the root go into the ring (K/V only;
+        those already there are written again with the same K/V, which depend on token and position
+        alone) and the root is pending: the state that skip then accept, round by round, leave."""
+        w = min(self.draft.window, out.shape[1])
+        before_root = n_out[:, None] - 1 - w + jnp.arange(w, dtype=jnp.int32)[None, :]
+        valid = before_root >= 0  # earlier tokens are the prompt's, in the ring since prefill
+        tokens = jnp.take_along_axis(out, jnp.maximum(before_root, 0), axis=1)
+        positions = root_pos[:, None] - (n_out[:, None] - 1) + before_root
+        draft = self.draft.remember(params, model, state.draft, tokens, positions, valid)
+        root = jnp.take_along_axis(out, (n_out - 1)[:, None], axis=1)
+        pending = jnp.zeros_like(state.pending).at[:, :1].set(root)
+        return state.replace(draft=draft, pending=pending, n_pending=jnp.ones_like(state.n_pending))
 
     def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl):
         """The draft reads the kept tokens (they end with the root), then the beam levels."""
@@ -254,4 +271,5 @@ def proposer_for(mode: str, target, draft=None, tree_widths=None) -> tuple[Any, 
         )
     check_draft(draft, target.config)
     graphdef, params = nnx.split(draft.block)
-    return DraftProposer(BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1]))), widths), params
+    block = BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1])), window=draft.config.window)
+    return DraftProposer(block, widths), params

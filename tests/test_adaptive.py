@@ -168,3 +168,43 @@ def test_sampling_that_switches_candidates_matches_the_target_distribution(monke
     obs = np.append(observed[big], observed[small].sum() if small.any() else []).astype(np.float64)
     exp = np.append(expected[big], expected[small].sum() if small.any() else []).astype(np.float64)
     assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("rounds", [1, 5, 21])  # 21 > the ring's 8 positions: writes wrap around
+def test_a_draft_that_sits_out_ar_rounds_catches_up_to_the_same_state(target, draft, rounds):
+    """The draft's state after `rounds` AR rounds it did not see, caught up once from the output,
+    equals what skip then accept each round leave: the same ring (K/V and positions) and the
+    root pending. Two sequences with different prompt lengths."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from longspec_jax.proposers import BlockDraft
+
+    graphdef, params = nnx.split(draft.block)
+    proposer = DraftProposer(BlockDraft(graphdef, tree_slots=4, window=draft.config.window), (2, 2), pending_rows=3)
+    model = target.decode_model()
+    rng = np.random.default_rng(rounds)
+    lengths = jnp.asarray([11, 6], jnp.int32)
+    prompts = jnp.asarray(rng.integers(0, VOCAB, (2, 11)), jnp.int32)
+    out = jnp.asarray(rng.integers(0, VOCAB, (2, rounds + 4)), jnp.int32)  # token i at position length + i
+    # Before the run: a tree round kept out[:, :3] (pending, the draft has not seen them).
+    state = proposer.init(params, model, SimpleNamespace(lengths=lengths), prompts, lengths, out[:, 0])
+    state = proposer.accept(state, out[:, :3], jnp.asarray([3, 3], jnp.int32), lengths)
+    kept = 3
+    round_by_round = state
+    for _ in range(rounds):
+        root_pos = lengths + kept - 1
+        round_by_round = proposer.skip(params, model, round_by_round, SimpleNamespace(lengths=root_pos))
+        new = out[:, kept : kept + 1]
+        round_by_round = proposer.accept(round_by_round, new, jnp.ones((2,), jnp.int32), root_pos + 1)
+        kept += 1
+    n_out = jnp.full((2,), kept, jnp.int32)
+    caught_up = proposer.catch_up(params, model, state, out, n_out, lengths + kept - 1)
+    a, b = round_by_round.draft, caught_up.draft
+    np.testing.assert_array_equal(np.asarray(a.positions), np.asarray(b.positions))
+    np.testing.assert_allclose(np.asarray(a.k, np.float32), np.asarray(b.k, np.float32), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a.v, np.float32), np.asarray(b.v, np.float32), rtol=1e-6, atol=1e-6)
+    assert np.asarray(round_by_round.n_pending).tolist() == np.asarray(caught_up.n_pending).tolist() == [1, 1]
+    np.testing.assert_array_equal(np.asarray(round_by_round.pending[:, 0]), np.asarray(out[:, kept - 1]))
+    np.testing.assert_array_equal(np.asarray(caught_up.pending[:, 0]), np.asarray(out[:, kept - 1]))

@@ -77,6 +77,7 @@ class OracleDraft:
     Off-path tree nodes get the same guess, which is simply wrong there, as a real draft would be."""
 
     vocab: int
+    window: int = 8  # the ring a real draft keeps (catch_up writes at most this many tokens)
 
     def init_state(self, params, batch):
         return jnp.zeros((batch, 1), jnp.int32)
