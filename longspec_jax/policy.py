@@ -120,22 +120,28 @@ def ar_rounds_before_a_retry(policy: PolicyState) -> jax.Array:
 
 def record_ar_rounds(policy: PolicyState, rounds: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:
     """`record` of `rounds` (int32[]) AR rounds in a row that kept `kept` tokens while `active`
-    sequences ran, in all (int32[] each): the same state as recording them one by one."""
+    sequences ran, in all (int32[] each): the same state as recording them one by one (AR's
+    estimate is fixed, so only the clocks and counters move)."""
+    return _advance_clocks(policy, jnp.int32(AR), rounds, kept, active)
+
+
+def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active) -> PolicyState:
+    """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits,
+    rounds since each candidate ran, and the stats counters. A round of a candidate that is not
+    the best (a retry) doubles its wait; the best's wait resets."""
     k = policy.since_used.shape[0]
-    is_ar = jnp.arange(k) == AR
+    is_chosen = jnp.arange(k) == chosen
     ran = rounds > 0
     best = jnp.argmax(expected_rates(policy))
-    # Each round: AR's wait doubles unless AR is the best (it is, unless a caller forces AR);
-    # the best's resets. AR's own wait is never read (AR is not retried).
     doubled = jnp.minimum(policy.wait * (1 << jnp.minimum(rounds, 8)), MAX_WAIT)
-    wait = jnp.where(is_ar & (best != AR) & ran, doubled, policy.wait)
+    wait = jnp.where(is_chosen & (chosen != best) & ran, doubled, policy.wait)
     wait = jnp.where((jnp.arange(k) == best) & ran, FIRST_WAIT, wait)
     return policy.replace(
-        since_used=jnp.where(is_ar, jnp.where(ran, 0, policy.since_used), policy.since_used + rounds),
+        since_used=jnp.where(is_chosen, jnp.where(ran, 0, policy.since_used), policy.since_used + rounds),
         wait=wait,
-        rounds=policy.rounds + jnp.where(is_ar, rounds, 0),
-        emitted=policy.emitted + jnp.where(is_ar, kept, 0),
-        active=policy.active + jnp.where(is_ar, active, 0),
+        rounds=policy.rounds + jnp.where(is_chosen, rounds, 0).astype(jnp.int32),
+        emitted=policy.emitted + jnp.where(is_chosen, kept, 0).astype(jnp.int32),
+        active=policy.active + jnp.where(is_chosen, active, 0).astype(jnp.int32),
     )
 
 
@@ -155,15 +161,4 @@ def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.
     weight = jnp.maximum(1.0 / (policy.rounds.astype(jnp.float32) + 2.0), EMA_WEIGHT)
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     policy = policy.replace(tokens_per_round=estimate)
-    # A retry that did not make the candidate the best doubles its wait; being the best resets it.
-    best = jnp.argmax(expected_rates(policy))
-    lost = is_chosen & (chosen != best)
-    wait = jnp.where(lost, jnp.minimum(policy.wait * 2, MAX_WAIT), policy.wait)
-    wait = jnp.where(jnp.arange(k) == best, FIRST_WAIT, wait)
-    return policy.replace(
-        since_used=jnp.where(is_chosen, 0, policy.since_used + 1),
-        wait=wait,
-        rounds=policy.rounds + is_chosen.astype(jnp.int32),
-        emitted=policy.emitted + jnp.where(is_chosen, kept, 0).astype(jnp.int32),
-        active=policy.active + jnp.where(is_chosen, active, 0).astype(jnp.int32),
-    )
+    return _advance_clocks(policy, chosen, jnp.int32(1), kept, active)
