@@ -42,9 +42,10 @@ class GenerationStats:
     sequences together; the first token of each comes out of prefill). tau = mean tokens emitted
     per target forward after prefill (1 for AR); rounds = target forwards after prefill. policy
     (mode "auto"): per candidate the rounds it ran, its mean tokens kept per round and its
-    calibrated round time, and where the calibration came from (adaptive.py). runs (profile=True):
-    each host call of the device loop in order, {"what": the loop ("loop", or the adaptive
-    candidate; "start": the first state, with any calibration rounds), "rounds", "ms"}."""
+    calibrated round time, and where the calibration came from (adaptive.py). runs: each host
+    call of the device loop in order, {"what": "loop", "rounds", "ms"} (the host's read of the
+    state included), and with profile=True first {"what": "start"}: the first state, with any
+    calibration rounds (timing it apart costs a wait)."""
 
     prefill_s: float
     decode_s: float

@@ -35,7 +35,7 @@ from longspec_jax.acceptance import Acceptance, accept
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import BlockKV, KVCache, Transformer, commit
-from longspec_jax.policy import AR, ar_rounds_before_a_retry, choose, record, record_ar_rounds
+from longspec_jax.policy import AR, ar_rounds_before_a_retry, batch_progress, choose, record, record_ar_rounds
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -120,8 +120,8 @@ def accept_and_commit(
     update_proposal=None,
 ) -> LoopState:
     """Steps 3 and 4 of a round, from the verified tree (cache, block: what verify returned).
-    update_proposal(emitted, n_keep, positions) -> the proposer state after the round (default:
-    the loop's proposer accepts `proposal`)."""
+    update_proposal(emitted, n_keep, positions, ends) -> the proposer state after the round
+    (default: the loop's proposer accepts `proposal`)."""
     depth = tree.depth
     picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
     acc = accept(tree, picks)
@@ -142,7 +142,7 @@ def accept_and_commit(
     if update_proposal is None:
         proposal = config.proposer.accept(proposal, acc.emitted, n_keep, positions)
     else:
-        proposal = update_proposal(acc.emitted, n_keep, positions)
+        proposal = update_proposal(acc.emitted, n_keep, positions, ends)
     return state.replace(
         cache=cache,
         proposal=proposal,
@@ -175,16 +175,16 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         for j, src in enumerate(adaptive.sources)
     ]
 
-    def update(emitted, n_keep, positions):
+    def update(emitted, n_keep, positions, ends):
         accepted = tuple(
             s if wait else src.accept(s, emitted, n_keep, positions)
             for src, s, wait in zip(adaptive.sources, current, waits)
         )
         kept, active = n_keep.sum(), (~state.done).sum()
-        slowest = jnp.min(jnp.where(state.done, jnp.iinfo(jnp.int32).max, n_keep))
         policy = state.proposal.policy  # AR rounds are recorded together (decode)
         if k != AR:
-            policy = record(policy, jnp.int32(k), kept, active, slowest)
+            progress = batch_progress(state.n_new, n_keep, ~state.done, ends)
+            policy = record(policy, jnp.int32(k), kept, active, progress)
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)

@@ -355,9 +355,8 @@ class Generator:
             profile, state = profile_round(programs.config, self.params, proposer_params, state, request.sampling)
         if request.profile:
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)
-            timeline = [{"what": name, "rounds": n, "ms": 1e3 * s} for name, n, s in runs]
-            return result(progress, decode_s, profile, timeline)
-        return result(progress, decode_s, profile)
+        timeline = [{"what": name, "rounds": n, "ms": 1e3 * s} for name, n, s in runs]
+        return result(progress, decode_s, profile, timeline)
 
 
 def generate(

@@ -145,17 +145,34 @@ def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active) -> Policy
     )
 
 
-def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, slowest=None) -> PolicyState:
+def batch_progress(n_new: jax.Array, n_keep: jax.Array, running: jax.Array, ends: jax.Array) -> jax.Array:
+    """int32[]: how far a round brought the end of the batch: the rise of the fewest tokens any
+    sequence still running after it holds (n_new int32[B] before the round, n_keep int32[B] what
+    each kept, running bool[B] not done before it, ends bool[B] done by it). A batch is done only
+    when its last sequence is, so this, not the mean, is what a round is worth: a round that gives
+    three sequences five tokens and the one furthest behind one brings the end one token nearer.
+    It is never below the fewest any of them kept (the old sequence furthest behind kept at least
+    that), and a sequence that falls behind only by chance in one round is not held against the
+    candidate in the next, when another is furthest behind. When the round ends every running
+    sequence: the fewest any of them kept."""
+    big = jnp.iinfo(jnp.int32).max
+    stays = running & ~ends
+    before = jnp.min(jnp.where(stays, n_new, big))
+    after = jnp.min(jnp.where(stays, n_new + n_keep, big))
+    fewest = jnp.min(jnp.where(running, n_keep, big))
+    return jnp.where(jnp.any(stays), after - before, jnp.where(jnp.any(running), fewest, 0)).astype(jnp.int32)
+
+
+def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, progress=None) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
-    in total (int32[]): update its estimate and the retry clocks. slowest (int32[], optional): the
-    fewest tokens an active sequence kept; when given, the estimate follows it instead of the mean,
-    since a batch is done only when its slowest sequence is (a round that gives most sequences
-    four tokens and one sequence one brings the end no nearer than an AR step does)."""
+    in total (int32[]): update its estimate and the retry clocks. progress (int32[], optional): what
+    the round brought the end of the batch nearer (`batch_progress`); when given, the estimate
+    follows it instead of the mean tokens a sequence kept."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
-    if slowest is not None:
-        per_sequence = slowest.astype(jnp.float32)
+    if progress is not None:
+        per_sequence = progress.astype(jnp.float32)
     ran = is_chosen & (active > 0) & (chosen != AR)
     # The prior counts as one round: the k-th round weighs 1 / (k + 1) until that is EMA_WEIGHT.
     weight = jnp.maximum(1.0 / (policy.rounds.astype(jnp.float32) + 2.0), EMA_WEIGHT)

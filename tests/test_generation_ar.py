@@ -134,6 +134,8 @@ def test_a_short_request_runs_in_one_call_and_a_long_one_in_chunks(target, monke
     chunked = gen.generate(PROMPT_A, max_new_tokens=20, eos_token_ids=(), profile=True)
     assert [r["rounds"] for r in chunked.stats.runs] == [0, 8, 8, 3]
     assert chunked.tokens == short.tokens
+    unprofiled = gen.generate(PROMPT_A, max_new_tokens=20, eos_token_ids=())  # no wait after start
+    assert [(r["what"], r["rounds"]) for r in unprofiled.stats.runs] == [("loop", 8), ("loop", 8), ("loop", 3)]
 
 
 def test_greedy_and_sampling_share_one_compiled_program(target):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longspec_jax.policy import AR, FIRST_WAIT, MAX_WAIT, choose, init_policy, record
+from longspec_jax.policy import AR, FIRST_WAIT, MAX_WAIT, batch_progress, choose, init_policy, record
 
 
 @jax.jit
@@ -99,22 +99,75 @@ def test_a_losing_candidate_waits_longer_the_more_its_round_costs():
     assert int(policy.rounds.sum()) == 128
 
 
-def test_a_batch_is_judged_by_its_slowest_sequence():
+def test_a_batch_is_judged_by_its_progress_not_its_mean():
     # Batch 4, a tree round costing 1.5 AR steps: three sequences keep 5 tokens a round, one keeps 1.
     # The mean (4 a round) says speculate; the batch ends with the slow sequence, 1 a round: AR.
-    def run(use_slowest):
+    def run(use_progress):
         policy = init_policy(jnp.array([1.0, 1.5]), [1.0, 3.0])
         chosen = []
         for _ in range(100):
             k = choose(policy)
             kept = jnp.int32(16) if k != AR else jnp.int32(4)
-            slowest = jnp.int32(1) if use_slowest else None  # AR or tree, the slow one keeps 1
-            policy = record(policy, k, kept, jnp.int32(4), slowest)
+            progress = jnp.int32(1) if use_progress else None  # AR or tree, the slow one keeps 1
+            policy = record(policy, k, kept, jnp.int32(4), progress)
             chosen.append(int(k))
         return np.asarray(chosen)
 
-    assert (run(use_slowest=False)[10:] == 1).mean() > 0.9  # misled by the mean
-    assert (run(use_slowest=True)[10:] == AR).mean() > 0.9
+    assert (run(use_progress=False)[10:] == 1).mean() > 0.9  # misled by the mean
+    assert (run(use_progress=True)[10:] == AR).mean() > 0.9
+
+
+def _progress_over(kept_rounds, n_new=None, running=None):
+    """Each round's batch_progress and the final n_new, for rounds of per-sequence kept tokens."""
+    kept_rounds = np.asarray(kept_rounds, np.int32)
+    n_new = np.ones(kept_rounds.shape[1], np.int32) if n_new is None else np.asarray(n_new, np.int32)
+    running = np.ones(kept_rounds.shape[1], bool) if running is None else np.asarray(running)
+    out = []
+    for kept in kept_rounds:
+        kept = np.where(running, kept, 0)
+        none_end = np.zeros_like(running)
+        out.append(
+            int(batch_progress(jnp.asarray(n_new), jnp.asarray(kept), jnp.asarray(running), jnp.asarray(none_end)))
+        )
+        n_new = n_new + kept
+    return np.asarray(out), n_new
+
+
+def test_batch_progress_sums_to_what_the_sequence_furthest_behind_gained():
+    rng = np.random.default_rng(0)
+    kept = rng.integers(1, 7, size=(200, 8))
+    progress, n_new = _progress_over(kept)
+    assert progress.sum() == n_new.min() - 1  # the batch ends when its fewest reaches the limit
+    assert np.all(progress >= kept.min(axis=1))  # never below the fewest kept in the round
+
+
+def test_batch_progress_follows_the_mean_when_bad_luck_moves_around():
+    # Every round one sequence of four (a different one each time) keeps 1, the others 5: the
+    # fewest kept says 1 a round, but every sequence gains 4 a round on average, and so does the
+    # batch's end.
+    kept = np.full((400, 4), 5)
+    kept[np.arange(400), np.arange(400) % 4] = 1
+    progress, _ = _progress_over(kept)
+    assert kept.min(axis=1).mean() == 1
+    assert 3.9 <= progress.mean() <= 4.0
+
+
+def test_batch_progress_is_the_slow_sequence_when_it_is_always_the_same():
+    kept = np.full((100, 4), 5)
+    kept[:, 2] = 1
+    progress, _ = _progress_over(kept)
+    assert np.all(progress[1:] == 1)
+
+
+def test_batch_progress_ignores_sequences_that_are_done_or_end():
+    n_new = jnp.array([3, 9, 5, 4], jnp.int32)
+    kept = jnp.array([2, 0, 1, 3], jnp.int32)
+    running = jnp.array([True, False, True, True])
+    ends = jnp.array([False, False, False, True])  # the last one reaches EOS in this round
+    # running on: sequences 0 (3 -> 5) and 2 (5 -> 6): the fewest goes 3 -> 5
+    assert int(batch_progress(n_new, kept, running, ends)) == 2
+    all_end = jnp.array([True, False, True, True])
+    assert int(batch_progress(n_new, kept, running, all_end)) == 1  # the fewest kept
 
 
 def test_ar_rounds_recorded_at_once_equal_round_by_round():

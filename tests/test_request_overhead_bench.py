@@ -18,11 +18,13 @@ def test_small_run_reports_every_mode_and_the_call_costs(capsys):
 
 
 def test_the_fit_reproduces_a_linear_cost(monkeypatch):
-    """With a simulated generator whose decode time is 3 ms + 0.5 ms a round, the fit says so."""
+    """With a simulated generator whose decode time is 3 ms + 0.5 ms a round, 1 ms of it before the
+    loop's call, the fit says so."""
 
     class Stats:
         def __init__(self, rounds):
             self.rounds, self.decode_s, self.prefill_s, self.policy = rounds, 0.003 + 0.0005 * rounds, 0.0, {}
+            self.runs = [{"what": "loop", "rounds": rounds, "ms": 2.0 + 0.5 * rounds}]
 
     class Result:
         def __init__(self, n):
@@ -45,3 +47,4 @@ def test_the_fit_reproduces_a_linear_cost(monkeypatch):
 
     r = request_overhead.per_request(Target(), None, 10, 1, "ar", (130, 256), repeats=1)
     assert abs(r["round_ms"] - 0.5) < 1e-9 and abs(r["fixed_ms"] - 3.0) < 1e-9
+    assert abs(r["before_loop_ms"] - 1.0) < 1e-9
