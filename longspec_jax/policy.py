@@ -13,7 +13,10 @@ later change of text is followed), and picks
 AR emits exactly one token per round, so its estimate is fixed at 1. A candidate that is not picked
 gathers no evidence, so a losing candidate is retried after `wait[k]` rounds times what its round
 costs against the best's (a retry costs that much, so an expensive candidate is retried as much
-less often; at most MAX_WAIT rounds); every retry that does not make it the best doubles its wait,
+less often; at most MAX_WAIT rounds). Every candidate starts due, so each one that could win is
+tried in the first rounds whatever its prior: a tree whose prior rate is
+below AR's would otherwise wait its first retry out on AR even where it keeps six tokens a round.
+Every retry that does not make it the best doubles its wait,
 so a draft that never pays costs at most a round in MAX_WAIT, and one that starts paying again is
 found within that many rounds. All of it is
 arrays in the loop's carry, updated by every round and read by `choose` on the device: the host
@@ -65,7 +68,7 @@ def init_policy(seconds_per_round, prior_tokens_per_round, max_tokens=None) -> P
         seconds_per_round=cost,
         tokens_per_round=prior,
         max_tokens=most,
-        since_used=zeros,
+        since_used=jnp.full((k,), MAX_WAIT, jnp.int32),  # all due: each is tried once at the start
         wait=jnp.full((k,), FIRST_WAIT, jnp.int32),
         rounds=zeros,
         emitted=zeros,

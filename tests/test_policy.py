@@ -71,10 +71,31 @@ def test_noisy_trees_keep_95_percent_of_the_best_fixed_tree():
 
 
 def test_wait_resets_when_a_candidate_becomes_best():
-    policy = init_policy([1.0, 1.5], [1.0, 1.0])  # starts on AR; the tree looks bad
-    assert int(choose(policy)) == AR
+    policy = init_policy([1.0, 1.5], [1.0, 1.0])  # the tree looks bad: tried once, then AR
+    assert int(choose(policy)) == 1
+    policy = record(policy, jnp.int32(1), jnp.int32(1), jnp.int32(1))
+    assert int(policy.wait[1]) == 2 * FIRST_WAIT and int(choose(policy)) == AR
     policy = record(policy, jnp.int32(AR), jnp.int32(1), jnp.int32(1))
-    assert int(policy.wait[1]) == FIRST_WAIT and int(policy.since_used[1]) == 1
+    assert int(policy.since_used[1]) == 1
+    policy = record(
+        policy.replace(tokens_per_round=policy.tokens_per_round.at[1].set(4.0)),
+        jnp.int32(1),
+        jnp.int32(4),
+        jnp.int32(1),
+    )
+    assert int(policy.wait[1]) == FIRST_WAIT  # it is the best now
+
+
+def test_every_candidate_is_tried_at_the_start_whatever_its_prior():
+    # The H200's SmolLM2 costs: AR 0.66 ms, prompt lookup 1.01 ms (prior 2), the deep tree 2.18 ms
+    # (prior 3: 1.38 tokens/ms, under AR's 1.52). On code the tree keeps six tokens a round and
+    # prompt lookup one: the tree must be found in the first rounds, not after a retry wait on AR.
+    seconds = [0.66, 1.01, 2.18]
+    tokens = np.tile([1, 1, 6], (60, 1)).astype(np.int32)
+    _, chosen = simulate(init_policy(seconds, [1.0, 2.0, 3.0], [1, 11, 6]), tokens)
+    chosen = np.asarray(chosen)
+    assert sorted(chosen[:2]) == [1, 2]  # both tried in the first two rounds
+    assert (chosen[2:] == 2).mean() > 0.9  # then the tree, but for prompt lookup's rare retries
 
 
 def test_a_candidate_that_cannot_win_even_when_always_right_is_never_retried():
@@ -93,7 +114,8 @@ def test_a_losing_candidate_waits_longer_the_more_its_round_costs():
     tokens = np.ones((128, 2), np.int32)
     policy, chosen = simulate(init_policy([1.0, 3.0], [1.0, 3.0]), tokens)
     tries = np.nonzero(np.asarray(chosen) == 1)[0]
-    assert tries[0] >= 3 * FIRST_WAIT  # a retry costs 3 rounds' time: it comes 3x later
+    assert tries[0] == 0  # tried at the start
+    assert tries[1] - tries[0] >= 2 * 3 * FIRST_WAIT  # a retry costs 3 rounds' time: it comes 3x later
     assert np.all(np.diff(tries) >= 2 * 3 * FIRST_WAIT)  # and the wait doubles from there
     assert rate_of(np.asarray(chosen), tokens, [1.0, 3.0]) >= 0.95  # exploring cost under 5 %
     assert int(policy.rounds.sum()) == 128
