@@ -39,8 +39,6 @@ from longspec_jax.proposers import (
 )
 from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
-# Tokens a round is expected to keep before any evidence: optimistic, so each gets tried.
-PRIOR_TOKENS = {"ar": 1.0, "pld": 2.0, "tree": 3.0}
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 
 
@@ -98,9 +96,9 @@ class Adaptive:
         sources = tuple(
             src.init(p, model, cache, prompt_tokens, prompt_lengths, first) for src, p in zip(self.sources, params)
         )
-        priors = [PRIOR_TOKENS[c.name.split()[0]] for c in self.candidates]
         most = [c.depth + 1 for c in self.candidates]
-        policy = init_policy(jnp.ones((len(self.candidates),)), priors, most)
+        # Costs and priors are set from the calibration before the first round (calibration.py).
+        policy = init_policy(jnp.ones((len(self.candidates),)), max_tokens=most)
         return AdaptiveState(sources=sources, policy=policy)
 
     def cache_bytes(self, state: AdaptiveState) -> int:

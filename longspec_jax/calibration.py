@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.compile_cache import cache_root
+from longspec_jax.policy import with_costs
 
 TIMED_SECONDS = 0.02  # about how long each candidate's timed run takes
 PROBE_ROUNDS = 2  # rounds that size the timed run
@@ -153,8 +153,9 @@ def calibrated(state, run, names: tuple[str, ...], key: str):
 
 
 def with_round_costs(state, seconds):
-    """The loop state with the policy's seconds per round replaced (a few floats to the device)."""
-    policy = state.proposal.policy.replace(seconds_per_round=jnp.asarray(seconds, jnp.float32))
+    """The loop state with the policy's seconds per round replaced (a few floats to the device;
+    policy.with_costs)."""
+    policy = with_costs(state.proposal.policy, seconds)
     return state.replace(proposal=state.proposal.replace(policy=policy))
 
 

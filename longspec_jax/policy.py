@@ -55,12 +55,14 @@ class PolicyState:
     active: jax.Array
 
 
-def init_policy(seconds_per_round, prior_tokens_per_round, max_tokens=None) -> PolicyState:
+def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None) -> PolicyState:
     """seconds_per_round / prior_tokens_per_round / max_tokens: float[K] (entry 0 is AR: its prior
-    is forced to 1). The prior is optimistic on purpose: a candidate gets tried before evidence says
-    otherwise. max_tokens: the most a round can keep (tree depth + 1; default: no bound)."""
+    is forced to 1). The prior counts as one round of evidence; by default it is each candidate's
+    break-even (`break_even_tokens`), so the first trials, not a guess, decide. max_tokens: the most
+    a round can keep (tree depth + 1; default: no bound)."""
     cost = jnp.asarray(seconds_per_round, jnp.float32)
-    prior = jnp.asarray(prior_tokens_per_round, jnp.float32).at[AR].set(1.0)
+    prior = break_even_tokens(cost) if prior_tokens_per_round is None else jnp.asarray(prior_tokens_per_round)
+    prior = prior.astype(jnp.float32).at[AR].set(1.0)
     k = cost.shape[0]
     zeros = jnp.zeros((k,), jnp.int32)
     most = jnp.full((k,), jnp.inf, jnp.float32) if max_tokens is None else jnp.asarray(max_tokens, jnp.float32)
@@ -74,6 +76,23 @@ def init_policy(seconds_per_round, prior_tokens_per_round, max_tokens=None) -> P
         emitted=zeros,
         active=zeros,
     )
+
+
+def break_even_tokens(seconds_per_round: jax.Array) -> jax.Array:
+    """float32[K]: the tokens a round of each candidate must keep to match AR's rate."""
+    return seconds_per_round / seconds_per_round[AR]
+
+
+def with_costs(policy: PolicyState, seconds_per_round) -> PolicyState:
+    """The policy with its seconds per round replaced (the calibration's); a candidate that has not
+    run yet starts from its new break-even: a neutral prior, so its first trial decides. (A prior
+    above it, optimistic, kept a chain that keeps one token a round at T = 1 running while the
+    prior wore off; one below it, like the 3 tokens once given the deep tree that must keep 3.3 to
+    pay on the H200, hid a tree that keeps six.)"""
+    cost = jnp.asarray(seconds_per_round, jnp.float32)
+    untried = policy.rounds == 0
+    tokens = jnp.where(untried, break_even_tokens(cost), policy.tokens_per_round).at[AR].set(1.0)
+    return policy.replace(seconds_per_round=cost, tokens_per_round=tokens)
 
 
 def expected_rates(policy: PolicyState) -> jax.Array:

@@ -4,7 +4,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longspec_jax.policy import AR, FIRST_WAIT, MAX_WAIT, batch_progress, choose, init_policy, record
+from longspec_jax.policy import (
+    AR,
+    FIRST_WAIT,
+    MAX_WAIT,
+    batch_progress,
+    break_even_tokens,
+    choose,
+    init_policy,
+    record,
+    with_costs,
+)
 
 
 @jax.jit
@@ -219,3 +229,27 @@ def test_ar_rounds_recorded_at_once_equal_round_by_round():
             np.testing.assert_array_equal(np.asarray(getattr(at_once, field)), np.asarray(getattr(step, field)), field)
         checked += 1
     assert checked >= 20
+
+
+def test_a_neutral_prior_lets_the_first_trial_decide():
+    # T = 1 on the H200: prompt lookup's round costs 1.47x AR's and keeps one token; the wide tree
+    # costs 2.03x and keeps one or two. Each is tried once and left at once: no rounds spent while
+    # an optimistic prior wears off.
+    seconds = [0.68, 1.0, 1.38]
+    tokens = np.tile([1, 1, 1], (40, 1)).astype(np.int32)
+    _, chosen = simulate(init_policy(seconds, max_tokens=[1, 6, 4]), tokens)
+    chosen = np.asarray(chosen)
+    assert (chosen[:2] != AR).all() and (chosen[2:20] == AR).all()  # then AR until a retry
+    _, optimistic = simulate(init_policy(seconds, [1.0, 2.0, 3.0], [1, 6, 4]), tokens)
+    assert (np.asarray(optimistic)[:20] != AR).sum() > 2  # the old priors (2 and 3 tokens) spent more
+
+
+def test_with_costs_resets_only_the_untried_estimates():
+    policy = init_policy(jnp.ones(3), max_tokens=[1, 6, 4])
+    policy = record(policy, jnp.int32(1), jnp.int32(5), jnp.int32(1))  # candidate 1 ran: 3 tokens
+    policy = with_costs(policy, [0.5, 1.0, 2.0])
+    assert np.allclose(policy.seconds_per_round, [0.5, 1.0, 2.0])
+    assert float(policy.tokens_per_round[1]) == 3.0  # its evidence stays
+    assert float(policy.tokens_per_round[2]) == 4.0  # break-even: 2.0 s against AR's 0.5 s
+    assert np.allclose(break_even_tokens(policy.seconds_per_round), [1.0, 2.0, 4.0])
+    assert float(policy.tokens_per_round[AR]) == 1.0
