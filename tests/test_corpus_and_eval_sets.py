@@ -424,3 +424,33 @@ def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     assert all(r["policy"]["candidates"].keys() == {"ar", "pld"} for r in runs if r["mode"] == "auto")
     rows = json.loads(out.read_text())["summary"]["by_task"]
     assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
+
+
+def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
+    """A warm-up request that ended before timing every candidate leaves the rest to the next, so
+    the benchmark warms up again rather than timing a request that still calibrates."""
+    from types import SimpleNamespace
+
+    from infer import benchmark
+
+    def generator(sources):
+        calls = []
+
+        def generate(prompt_ids, **kwargs):
+            calls.append(prompt_ids)
+            return SimpleNamespace(stats=SimpleNamespace(policy={"calibration": sources[len(calls) - 1]}))
+
+        return SimpleNamespace(generate=generate), calls
+
+    auto, calls = generator(["measured", "measured", "kept", "kept"])
+    benchmark._warm_up(auto, [1, 2], {})
+    assert len(calls) == 3
+    stuck, calls = generator(["measured"] * 5)
+    benchmark._warm_up(stuck, [1, 2], {})
+    assert len(calls) == benchmark.WARM_UP_REQUESTS
+    fixed_calls = []
+    fixed = SimpleNamespace(
+        generate=lambda prompt_ids, **kw: fixed_calls.append(1) or SimpleNamespace(stats=SimpleNamespace(policy={}))
+    )
+    benchmark._warm_up(fixed, [1], {})
+    assert len(fixed_calls) == 1  # a fixed mode has no calibration: one request
