@@ -291,6 +291,38 @@ def test_target_text_stops_at_the_time_limit(tmp_path):
     assert summary["stopped"] and 1 <= summary["written"] < 8 and summary["written"] == SlowGenerator.calls
 
 
+def test_target_text_calls_are_always_whole_batches(tmp_path):
+    sizes = []
+
+    class Generator:
+        class target:
+            class config:
+                max_position_embeddings = 512
+
+        def generate(self, prompts, **kwargs):
+            sizes.append(len(prompts))
+            return type("R", (), {"tokens": [[7] * (i + 1) for i in range(len(prompts))]})()
+
+    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 30), "prose/book") for i in range(7)]
+    out = tmp_path / "t.jsonl"
+    summary = target_text.generate_target_text(
+        Generator(),
+        target_text.ByteCodec(128),
+        docs,
+        out,
+        tasks=("sample", "greedy"),
+        batch=3,
+        max_new_tokens=2,
+        prompt_tokens=(20, 30),
+        log=lambda m: None,
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["written"] == len(records) == 7 and len({r["id"] for r in records}) == 7
+    assert set(sizes) == {3}  # 3 greedy + 4 sampled jobs: short batches padded to 3 rows
+    assert max(r["response_tokens"] for r in records) <= 3  # padding rows' outputs are not written
+    assert target_text.full_batch([[1], [2]], 4) == [[1], [2], [2], [2]]
+
+
 # ----------------------------------------------------------------------------- diverse eval set
 
 
