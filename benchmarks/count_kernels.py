@@ -12,7 +12,7 @@ Needs the CUDA plugin wheels of the installed jax (no GPU, no driver):
 
     pip install "jax-cuda13-plugin==$(python -c 'import jax; print(jax.__version__)')" \\
                 "jax-cuda13-pjrt==$(python -c 'import jax; print(jax.__version__)')"
-    JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --hlo-out /tmp/hlo
+    JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --hlo-out /tmp/hlo --by-op 20
 
 SmolLM2-135M's shape with random weights by default (a program's kernels do not depend on the
 weights); a 4,500-token prompt and 256 new tokens size the cache as `Generator` would.
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.decode_kernels import loop_body_kernels
+from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft_io import init_draft
@@ -106,6 +106,7 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec")
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
+    parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")
     args = parser.parse_args(argv)
 
     device = gpu_device()
@@ -117,6 +118,8 @@ def main(argv=None) -> dict[str, int]:
         text = loop_program(target, draft, mode, args.prompt_tokens, args.new_tokens, args.attn_impl, device)
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")
+        for op, n in loop_body_kernels_by_op(text).most_common(args.by_op):
+            print(f"  {n:4d}  {op}")
         if args.hlo_out is not None:
             args.hlo_out.mkdir(parents=True, exist_ok=True)
             (args.hlo_out / f"{mode}.hlo.txt").write_text(text)

@@ -26,6 +26,7 @@ A short table closes the output.
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 import statistics
 import time
@@ -81,8 +82,10 @@ def hlo_computations(text: str) -> dict[str, list[str]]:
     return computations
 
 
-def _kernels_in(name: str, computations: dict[str, list[str]]) -> int:
-    count = 0
+def _launches_in(name: str, computations: dict[str, list[str]]) -> list[str]:
+    """The launching instruction lines of computation `name`, nested loops, calls and branches
+    walked into (each branch counted, as one iteration may take any)."""
+    lines = []
     for line in computations[name]:
         match = INSTRUCTION.match(line)
         if match is None or match.group(1) in FREE_OPS:
@@ -92,20 +95,42 @@ def _kernels_in(name: str, computations: dict[str, list[str]]) -> int:
             called = re.findall(r"(?:condition|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)", rest)
             for branches in re.findall(r"branch_computations=\{([^}]*)\}", rest):
                 called += [b.strip().lstrip("%") for b in branches.split(",")]
-            count += sum(_kernels_in(c, computations) for c in called if c in computations)
+            for c in called:
+                if c in computations:
+                    lines += _launches_in(c, computations)
         else:
-            count += 1
-    return count
+            lines.append(line)
+    return lines
+
+
+def _loop_body_launches(text: str) -> list[str]:
+    computations = hlo_computations(text)
+    bodies = [b for lines in computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)]
+    if not bodies:
+        raise ValueError("no while loop in this program")
+    return max((_launches_in(b, computations) for b in bodies), key=len)
 
 
 def loop_body_kernels(text: str) -> int:
     """Kernels launched by one iteration of the largest while loop of an optimised HLO module:
     every fusion, custom call and unfused op in its body (and in loops or calls nested there)."""
-    computations = hlo_computations(text)
-    bodies = [b for lines in computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)]
-    if not bodies:
-        raise ValueError("no while loop in this program")
-    return max(_kernels_in(b, computations) for b in bodies)
+    return len(_loop_body_launches(text))
+
+
+def loop_body_kernels_by_op(text: str) -> collections.Counter:
+    """`loop_body_kernels` split by the JAX operation each kernel comes from (the op_name of its
+    metadata without the jit / while nesting, e.g. "dot_general", "jit(log_softmax)/reduce_max";
+    "?" where XLA kept none): where a loop's kernels come from."""
+    by_op = collections.Counter()
+    for line in _loop_body_launches(text):
+        name = re.search(r'op_name="([^"]*)"', line)
+        parts = (
+            []
+            if name is None
+            else [p for p in name.group(1).split("/") if not re.fullmatch(r"jit\(decode\)|while|body|cond", p)]
+        )
+        by_op["/".join(parts) or "?"] += 1
+    return by_op
 
 
 def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "") -> dict[str, int]:
