@@ -218,3 +218,30 @@ def test_a_response_that_is_not_a_string_names_its_setting(tmp_path):
     bad = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q", "response": 1}])
     with pytest.raises(UserError, match="field 'response' is 1, not a string.*--set response_field="):
         corpus(tmp_path, [bad])
+
+
+def test_data_repeats_raise_a_sources_share(tmp_path):
+    (tmp_path / "big").mkdir()
+    write_jsonl(tmp_path / "big" / "a.jsonl", [{"text": "aaaa"}, {"text": "bbbb"}, {"text": "cccc"}])
+    own = write_jsonl(tmp_path / "own.jsonl", [{"prompt": "Q", "response": "rr"}])
+    once = corpus(tmp_path, [tmp_path / "big", own])
+    thrice = corpus(tmp_path, [tmp_path / "big", own], repeats=(1, 3))
+    assert len(once.records) == 4 and len(thrice.records) == 6
+    sft = [r for r in thrice.records if r["tokens"] == [BOS, *b"Q", *b"rr", EOS]]
+    assert len(sft) == 3 and all(r["loss_mask"] == [0, 0, 1, 1, 1] for r in sft)
+    assert thrice.num_tokens == once.num_tokens + 2 * 5
+    with pytest.raises(UserError, match="one per path"):
+        corpus(tmp_path, [tmp_path / "big", own], repeats=(2,))
+
+
+def test_data_repeats_are_checked_against_the_data_paths():
+    from train.config import apply_overrides, load_config
+
+    cfg = load_config("tiny")
+    paths = len(cfg.current.data)
+    good = apply_overrides(cfg, [f"data_repeats={','.join(['2'] * paths)}"]).validate()
+    assert good.current.data_repeats == (2,) * paths
+    with pytest.raises(UserError, match="one count >= 1 for each"):
+        apply_overrides(cfg, [f"data_repeats={','.join(['1'] * (paths + 1))}"]).validate()
+    with pytest.raises(UserError, match="one count >= 1 for each"):
+        apply_overrides(cfg, [f"data_repeats={','.join(['0'] * paths)}"]).validate()

@@ -180,6 +180,8 @@ def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_
     result, _ = uninterrupted
     with pytest.raises(UserError, match="seq_len=64, this run has seq_len=32"):
         train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
+    with pytest.raises(UserError, match=r"data_repeats=\[\], this run has data_repeats=\[2\]"):
+        train(tiny_cfg(corpus_file, result.run_dir.parent, "data_repeats=2"))
 
 
 def test_sigterm_saves_and_a_damaged_newest_checkpoint_is_skipped_without_duplicate_rows(

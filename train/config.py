@@ -37,6 +37,9 @@ class Stage:
     text_field: str = "text"  # plain-text records: every token is trained on
     prompt_field: str = "prompt"  # SFT records (prompt + response): only the response is trained on
     response_field: str = "response"
+    # How many times each `data` entry's records count in an epoch, by position (empty: once each):
+    # raises a small source's share, e.g. the target's own words next to a large corpus.
+    data_repeats: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,11 @@ class TrainConfig:
             raise UserError(f"gamma={self.gamma} must be >= 2 (the lag is drawn from 1..gamma-1)")
         if list(self.mesh).count(-1) > 1 or any(a == 0 or a < -1 for a in self.mesh):
             raise UserError(f"mesh={self.mesh}: give positive sizes, at most one -1")
+        if s.data_repeats and (len(s.data_repeats) != len(s.data) or min(s.data_repeats) < 1):
+            raise UserError(
+                f"data_repeats={','.join(map(str, s.data_repeats))}: give one count >= 1 for each of the "
+                f"{len(s.data)} data paths ({', '.join(s.data)}), or leave it unset"
+            )
         return self
 
 

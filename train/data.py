@@ -142,12 +142,15 @@ def load_corpus(
     prompt_field="prompt",
     response_field="response",
     cache_dir: str | None = None,
+    repeats=(),
 ) -> Corpus:
-    """Load local files with `datasets` (never a hub) and tokenise them (cached by `datasets`)."""
+    """Load local files with `datasets` (never a hub) and tokenise them (cached by `datasets`).
+    repeats: how many times each entry of `paths` has its records in the corpus (default once)."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
     files = find_files(paths)
+    times = _repeats_by_file(paths, repeats)
     eos = list(model.eos_token_ids[:1])
     if not eos:
         raise UserError("the target config names no eos_token_id: documents could not be separated")
@@ -175,18 +178,28 @@ def load_corpus(
             )
         settings = {"text_field": text_field, "prompt_field": prompt_field, "response_field": response_field}
         check_text_fields(raw, fmt, name, {f: key for key, f in settings.items() if f in fields})
-        parts.append(
-            raw.map(
-                _Tokenise(encoder, eos, *fields),
-                batched=True,
-                remove_columns=raw.column_names,
-                desc=f"tokenising {path.name}",
-            )
+        tokenised = raw.map(
+            _Tokenise(encoder, eos, *fields),
+            batched=True,
+            remove_columns=raw.column_names,
+            desc=f"tokenising {path.name}",
         )
+        parts += [tokenised] * times[path]
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     records = records.filter(lambda n: n > 0, input_columns="length")
     num_tokens = int(np.sum(records["length"])) if len(records) else 0
     return Corpus(records=records.remove_columns("length"), num_tokens=num_tokens, files=tuple(map(str, files)))
+
+
+def _repeats_by_file(paths, repeats) -> dict[Path, int]:
+    """Each data file's repeat count: its `paths` entry's (a file under two entries takes the larger)."""
+    if repeats and len(repeats) != len(paths):
+        raise UserError(f"{len(repeats)} data repeat counts for {len(paths)} data paths: give one per path")
+    times: dict[Path, int] = {}
+    for i, entry in enumerate(paths):
+        for f in find_files([entry]):
+            times[f] = max(times.get(f, 1), int(repeats[i]) if repeats else 1)
+    return times
 
 
 class _Tokenise:

@@ -299,6 +299,7 @@ def _load_corpus(cfg: TrainConfig, target):
         prompt_field=stage.prompt_field,
         response_field=stage.response_field,
         cache_dir=cfg.data_cache_dir,
+        repeats=stage.data_repeats,
     )
     total_steps = stage.max_steps or corpus.steps_per_epoch(stage.seq_len, stage.batch_size)
     if total_steps < 1:
@@ -381,6 +382,9 @@ def _check_resumable(saved: dict | None, cfg: TrainConfig, fingerprint: list[dic
     pairs = [(k, saved["config"][k], now[k]) for k in RESUME_FIELDS]
     before, after = saved["config"]["stages"][cfg.stage - 1], now["stages"][cfg.stage - 1]
     pairs += [(k, before[k], after[k]) for k in RESUME_STAGE_FIELDS]
+    # Repeats decide which records the data iterator's saved position points at (older
+    # checkpoints predate the field: no repeats).
+    pairs.append(("data_repeats", before.get("data_repeats", []), after["data_repeats"]))
     if "data_fingerprint" not in saved:  # written before fingerprints were kept: compare the paths
         pairs.append(("data", before["data"], after["data"]))
     changed = [(k, a, b) for k, a, b in pairs if a != b]
