@@ -96,7 +96,9 @@ def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_count
     a candidate's loop until `rounds` rounds in total. Each candidate runs one round to warm up;
     then calls that run no round measure what a call costs besides its rounds (launch, the host's
     wait; the fastest of CALL_REPEATS); PROBE_ROUNDS rounds size a timed run of about TIMED_SECONDS,
-    and its time less that call cost, over its rounds, is the cost of a round. Each candidate's
+    and its time less that call cost, over its rounds, is the cost of a round. A candidate whose
+    probe alone took TIMED_SECONDS is priced from the probe (a tree round on a CPU costs twenty AR
+    rounds: four more of them in a first request are seconds). Each candidate's
     timed run takes about the same time, so an error in the call cost shifts every candidate's cost
     by about the same fraction and leaves the policy's choice alone. (Taking the difference of a
     2-round and a 6-16-round call instead said 0.37-0.51 ms for an AR round that costs 0.78 ms in
@@ -121,6 +123,9 @@ def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_count
         if probed == 0:  # the request has ended
             continue
         guess = max(t - call, 1e-6) / probed
+        if guess * probed >= TIMED_SECONDS:  # the probe took a timed run's length: it is the timed run
+            seconds[k] = guess
+            continue
         n = int(np.clip(TIMED_SECONDS / guess, PROBE_ROUNDS + 2, MAX_TIMED_ROUNDS))
         base = int(state.rounds)
         state, t = timed(state, base + n, k)

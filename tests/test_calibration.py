@@ -131,3 +131,29 @@ def test_a_request_that_ends_early_keeps_what_it_measured_and_the_next_measures_
     (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
     assert source == "kept" and measured == []
     calibration.forget_calibrations()
+
+
+def test_an_expensive_candidate_is_priced_from_its_probe():
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    from longspec_jax import calibration
+
+    @struct.dataclass
+    class State:
+        rounds: jnp.ndarray
+
+    cost = [0.001, 0.05]  # a CPU: the tree's round costs 50x AR's, its probe 5x a timed run
+    now, ran = [0.0], {0: 0, 1: 0}
+
+    def run(state, rounds, candidate):
+        n = rounds - int(state.rounds)
+        now[0] += 0.002 + n * cost[candidate]
+        ran[candidate] += n
+        return State(jnp.asarray(rounds))
+
+    _, seconds = calibration.measure_rounds(State(jnp.asarray(0)), run, 2, clock=lambda: now[0])
+    np.testing.assert_allclose(seconds, cost, rtol=1e-9)
+    assert ran[1] == 1 + calibration.PROBE_ROUNDS  # a warm-up round and the probe: no timed run
+    assert ran[0] > 1 + calibration.PROBE_ROUNDS + 4  # the cheap one gets its timed run
