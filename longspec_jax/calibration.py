@@ -123,7 +123,7 @@ def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_count
         if probed == 0:  # the request has ended
             continue
         guess = max(t - call, 1e-6) / probed
-        if guess * probed >= TIMED_SECONDS:  # the probe took a timed run's length: it is the timed run
+        if t - call >= TIMED_SECONDS:  # the probe took a timed run's length: it is the timed run
             seconds[k] = guess
             continue
         n = int(np.clip(TIMED_SECONDS / guess, PROBE_ROUNDS + 2, MAX_TIMED_ROUNDS))

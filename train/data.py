@@ -114,18 +114,23 @@ class Corpus:
 
 def find_files(paths: tuple[str, ...] | list[str]) -> list[Path]:
     """The data files under `paths` (files or directories, searched recursively), in a fixed order."""
+    return [f for _, f in _files_by_entry(paths)]
+
+
+def _files_by_entry(paths) -> list[tuple[int, Path]]:
+    """`find_files` with the index of the `paths` entry each file was found under."""
     if not paths:
         raise UserError("no training data given: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)")
-    files: list[Path] = []
-    for p in map(Path, paths):
+    files: list[tuple[int, Path]] = []
+    for i, p in enumerate(map(Path, paths)):
         if not p.exists():
             raise UserError(
                 f"data path {p} does not exist: pass --data PATH (a file or directory of .jsonl/.json/.parquet/.txt)"
             )
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and data_format(f))
+            files += [(i, f) for f in sorted(f for f in p.rglob("*") if f.is_file() and data_format(f))]
         elif data_format(p):
-            files.append(p)
+            files.append((i, p))
         else:
             raise UserError(f"data file {p}: unknown format {p.suffix!r}; use one of {', '.join(sorted(FORMATS))}")
     if not files:
@@ -149,8 +154,9 @@ def load_corpus(
     import datasets
     from datasets.exceptions import DatasetGenerationError
 
-    files = find_files(paths)
-    times = _repeats_by_file(paths, repeats)
+    found = _files_by_entry(paths)
+    files = [f for _, f in found]
+    times = _repeats_by_file(found, len(paths), repeats)
     eos = list(model.eos_token_ids[:1])
     if not eos:
         raise UserError("the target config names no eos_token_id: documents could not be separated")
@@ -191,14 +197,14 @@ def load_corpus(
     return Corpus(records=records.remove_columns("length"), num_tokens=num_tokens, files=tuple(map(str, files)))
 
 
-def _repeats_by_file(paths, repeats) -> dict[Path, int]:
-    """Each data file's repeat count: its `paths` entry's (a file under two entries takes the larger)."""
-    if repeats and len(repeats) != len(paths):
-        raise UserError(f"{len(repeats)} data repeat counts for {len(paths)} data paths: give one per path")
+def _repeats_by_file(found: list[tuple[int, Path]], entries: int, repeats) -> dict[Path, int]:
+    """Each data file's repeat count: its `paths` entry's (a file under two entries takes the larger).
+    found: `_files_by_entry`'s (entry index, file) pairs."""
+    if repeats and len(repeats) != entries:
+        raise UserError(f"{len(repeats)} data repeat counts for {entries} data paths: give one per path")
     times: dict[Path, int] = {}
-    for i, entry in enumerate(paths):
-        for f in find_files([entry]):
-            times[f] = max(times.get(f, 1), int(repeats[i]) if repeats else 1)
+    for i, f in found:
+        times[f] = max(times.get(f, 1), int(repeats[i]) if repeats else 1)
     return times
 
 
