@@ -8,7 +8,7 @@ vocabulary top-k, other XLA fusions, copies) and prints milliseconds per round, 
 busy time and the span per round. A kernel-time-bound loop has busy ~ span.
 
     python -m benchmarks.trace_round --out /tmp/trace      # GPU
-    python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23
+    python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ def kernel_class(name: str) -> str:
 
 
 def loop_kernels(trace: dict) -> list[dict]:
-    """The GPU kernel events after the prefill's last cuDNN attention / GEMM, in time order."""
+    """The GPU kernel events after the prefill's last cuDNN attention, in time order (the loop's
+    own GEMMs may be cuBLAS kernels too, so they cannot mark the prefill's end)."""
     events = trace["traceEvents"]
     process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = sorted(
         (e for e in events if e.get("ph") == "X" and "GPU" in process.get(e["pid"], "")), key=lambda e: e["ts"]
     )
-    prefill = [e["ts"] for e in gpu if "cudnn" in e["name"] or "nvjet" in e["name"]]
+    prefill = [e["ts"] for e in gpu if "cudnn" in e["name"]]
     start = max(prefill) if prefill else float("-inf")
     return [e for e in gpu if e["ts"] > start]
 
@@ -67,6 +68,22 @@ def summarise(trace: dict, rounds: int) -> dict[str, tuple[float, float]]:
     out["busy"] = (len(kernels) / rounds, sum(e["dur"] for e in kernels) / 1e3 / rounds)
     out["span"] = (0.0, span / 1e3 / rounds)
     return out
+
+
+def top_kernels(trace: dict, rounds: int, n: int) -> list[tuple[str, float, float]]:
+    """The n kernel names that took the most time: (name, kernels per round, ms per round)."""
+    table = collections.defaultdict(lambda: [0, 0.0])
+    for e in loop_kernels(trace):
+        row = table[e["name"]]
+        row[0] += 1
+        row[1] += e["dur"]
+    ranked = sorted(table.items(), key=lambda kv: -kv[1][1])[:n]
+    return [(name, count / rounds, us / 1e3 / rounds) for name, (count, us) in ranked]
+
+
+def print_top(trace: dict, rounds: int, n: int) -> None:
+    for name, count, ms in top_kernels(trace, rounds, n):
+        print(f"    {ms:7.3f} ms {count:6.1f} x  {name[:110]}")
 
 
 def print_summary(label: str, summary: dict) -> None:
@@ -110,12 +127,17 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--summarise", type=Path, help="only summarise this Perfetto trace (.json.gz)")
     parser.add_argument("--rounds", type=int, default=23, help="rounds in the --summarise trace")
+    parser.add_argument("--top", type=int, default=0, help="also list the N kernels that took the most time")
     args = parser.parse_args(argv)
     if args.summarise:
-        print_summary(args.summarise.name, summarise(json.load(gzip.open(args.summarise)), args.rounds))
-        return
-    for mode, (path, rounds) in record(args.out, args.prompt_tokens, args.new_tokens).items():
-        print_summary(f"{mode} ({path})", summarise(json.load(gzip.open(path)), rounds))
+        traces = {args.summarise.name: (args.summarise, args.rounds)}
+    else:
+        traces = record(args.out, args.prompt_tokens, args.new_tokens)
+    for label, (path, rounds) in traces.items():
+        trace = json.load(gzip.open(path))
+        print_summary(f"{label} ({path})", summarise(trace, rounds))
+        if args.top:
+            print_top(trace, rounds, args.top)
 
 
 if __name__ == "__main__":

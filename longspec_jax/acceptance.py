@@ -41,38 +41,36 @@ class Acceptance:
 def accept(tree: Tree, picks: jax.Array) -> Acceptance:
     """Walk down the tree; picks int32[B, N]: the target's choice at every flat node.
 
+    The walk is computed without stepping: a node is reached iff it and each of its ancestors
+    carries its parent's pick (the tree mask lists the ancestors), and the walk ends at the deepest
+    node reached (unique: siblings carry distinct tokens, a pick is one token). So it is a few fused
+    element-wise ops and reductions, not a loop of D + 1 dependent steps of small kernels each.
     A tree of the root alone (depth 0, as AR proposes) emits the root's pick and walks nothing."""
-    b, _ = tree.tokens.shape
+    b, n = tree.tokens.shape
     if tree.depth == 0:
         pick = picks[:, :1].astype(jnp.int32)
         zeros = jnp.zeros((b, 1), jnp.int32)
         return Acceptance(path=zeros, n_emitted=jnp.ones((b,), jnp.int32), emitted=pick, bonus=pick[:, 0])
+    picks = picks.astype(jnp.int32)
     steps = tree.depth + 1  # at most D moves, then the bonus pick at a depth-D leaf
-
-    def body(step, carry):
-        node, done, n_emitted, path, emitted, bonus = carry
-        x = _at_node(picks, node)
-        is_child = (tree.parents == node[:, None]) & (tree.tokens == x[:, None])  # [B, N], <= 1 True per row
-        moved = is_child.any(axis=1) & ~done
-        child = jnp.argmax(is_child, axis=1).astype(jnp.int32)
-        emitted = emitted.at[:, step].set(jnp.where(done, 0, x))
-        path = path.at[:, step + 1].set(jnp.where(moved, child, 0), mode="drop")
-        stops = ~done & ~moved
-        bonus = jnp.where(stops, x, bonus)
-        n_emitted = n_emitted + (~done).astype(jnp.int32)
-        return jnp.where(moved, child, node), done | stops, n_emitted, path, emitted, bonus
-
-    zeros_b = jnp.zeros((b,), jnp.int32)
-    init = (
-        zeros_b,
-        jnp.zeros((b,), bool),
-        zeros_b,
-        jnp.zeros((b, steps), jnp.int32),
-        jnp.zeros((b, steps), jnp.int32),
-        zeros_b,
-    )
-    _, _, n_emitted, path, emitted, bonus = jax.lax.fori_loop(0, steps, body, init)
-    return Acceptance(path=path, n_emitted=n_emitted, emitted=emitted, bonus=bonus)
+    depths = jnp.asarray(tree.depths)  # [N]
+    parent_pick = jnp.take_along_axis(picks, jnp.maximum(tree.parents, 0), axis=1)
+    agrees = (tree.tokens == parent_pick) | (tree.parents < 0)  # the root always agrees
+    diagonal = jnp.diagonal(tree.mask, axis1=1, axis2=2)  # False for nodes of unbuilt levels
+    reached = diagonal & jnp.all(~tree.mask | agrees[:, None, :], axis=2)  # [B, N]
+    last = jnp.argmax(jnp.where(reached, depths[None, :], -1), axis=1).astype(jnp.int32)
+    n_moves = depths[last]
+    on_path = _at_node(tree.mask, last)  # [B, N]: the walk's nodes, the root included
+    at_depth = depths[None, :, None] == jnp.arange(steps)[None, None, :]  # [1, N, D+1]
+    nodes = jnp.arange(n, dtype=jnp.int32)[None, :, None]
+    path = jnp.sum(jnp.where(on_path[:, :, None] & at_depth, nodes, 0), axis=1)  # [B, D+1], 0 past the end
+    tokens = jnp.sum(jnp.where(on_path[:, :, None] & at_depth, tree.tokens[:, :, None], 0), axis=1)
+    bonus = _at_node(picks, last)
+    step = jnp.arange(steps)[None, :]
+    # Emitted: the tokens of the walk's nodes below the root, then the bonus, then zeros.
+    emitted = jnp.where(step < n_moves[:, None], jnp.roll(tokens, -1, axis=1), 0)
+    emitted = jnp.where(step == n_moves[:, None], bonus[:, None], emitted)
+    return Acceptance(path=path, n_emitted=n_moves + 1, emitted=emitted, bonus=bonus)
 
 
 def _at_node(values: jax.Array, node: jax.Array) -> jax.Array:

@@ -275,6 +275,18 @@ def _write_kernel_stages(head_dim: int) -> int:
     return 3 if head_dim <= 64 else 2
 
 
+# Query rows (tokens x GQA group) up to which a small head dim's kernel runs 64-row blocks on 4
+# warps. On the H200 at SmolLM2's shape (head dim 64, group 3, 4.5k cached keys; `python -m
+# benchmarks.tune_decode_attention`) this was 10-15 % faster per layer than 128 rows on 8 warps
+# for 1, 11 and 25 tokens, and no choice beat the default at 69 tokens (207 rows).
+SMALL_BLOCK_MAX_ROWS = 128
+
+
+def _write_kernel_blocks(rows: int, head_dim: int) -> tuple[int, int]:
+    """(block_rows, num_warps) of the rotating kernel for `rows` query rows."""
+    return (64, 4) if head_dim <= 64 and rows <= SMALL_BLOCK_MAX_ROWS else (128, 8)
+
+
 def hybrid_attention_and_write(
     qkv,
     cos,
@@ -287,10 +299,10 @@ def hybrid_attention_and_write(
     num_heads,
     scale=None,
     interpret=None,
-    block_rows=128,
+    block_rows=None,
     block_keys=64,
     num_splits=None,
-    num_warps=8,
+    num_warps=None,
     num_stages=None,
 ):
     """A block whose new keys are its own tokens (AR decoding's one-token step), straight from the
@@ -301,7 +313,8 @@ def hybrid_attention_and_write(
     token i) and writes the rotated k and v of the T tokens at rows [cache_len[b], cache_len[b] + T)
     of the caches (rows past the capacity S are dropped; every other row stays as it was). Returns
     (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache); the caches are updated in place when the caller
-    donates them (as a decode loop's carried state is)."""
+    donates them (as a decode loop's carried state is). block_rows, num_warps and num_stages left
+    None are chosen for the shape (`_write_kernel_blocks`, `_write_kernel_stages`)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[2]
     queries = jax.ShapeDtypeStruct((b, t, num_heads, d), qkv.dtype)
@@ -314,6 +327,7 @@ def hybrid_attention_and_write(
     if cos.shape != (b, t, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"hybrid_attention_and_write: cos, sin must be [B,T,D/2] = {(b, t, d // 2)}, got {cos.shape}")
     _check_mask_and_lengths(mask, cache_len, b, t, t)
+    default_rows, default_warps = _write_kernel_blocks(t * (num_heads // hkv), d)
     return _hybrid_attention(
         qkv,
         k_cache,
@@ -324,10 +338,10 @@ def hybrid_attention_and_write(
         mask,
         scale=float(d**-0.5 if scale is None else scale),
         interpret=fb.default_interpret() if interpret is None else interpret,
-        block_rows=block_rows,
+        block_rows=default_rows if block_rows is None else block_rows,
         block_keys=block_keys,
         num_splits=num_splits,
-        num_warps=num_warps,
+        num_warps=default_warps if num_warps is None else num_warps,
         num_stages=_write_kernel_stages(d) if num_stages is None else num_stages,
         packed_heads=(num_heads, hkv),
     )

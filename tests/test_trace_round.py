@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.trace_round import kernel_class, summarise
+from benchmarks.trace_round import kernel_class, summarise, top_kernels
 
 
 def trace(*kernels):
@@ -49,3 +49,20 @@ def test_kernel_classes():
 def test_a_trace_without_gpu_kernels_is_refused():
     with pytest.raises(SystemExit, match="no GPU kernels"):
         summarise(trace(), rounds=1)
+
+
+def test_a_cublas_gemm_inside_the_loop_is_counted_and_the_top_kernels_are_ranked_by_time():
+    t = trace(
+        ("nvjet_sm90_tss_prefill_gemm", 0.0, 50.0),
+        ("cudnn_generated_fort_native_sdpa", 60.0, 100.0),  # the prefill ends here
+        ("nvjet_sm90_tss_192x72", 200.0, 20.0),  # a GEMM of the loop itself
+        ("gemm_fusion_dot_1", 220.0, 5.0),
+        ("gemm_fusion_dot_1", 230.0, 5.0),
+        ("nvjet_sm90_tss_192x72", 240.0, 20.0),
+    )
+    s = summarise(t, rounds=2)
+    assert s["GEMM"] == (2.0, pytest.approx(0.025))
+    top = top_kernels(t, rounds=2, n=2)
+    assert [name for name, _, _ in top] == ["nvjet_sm90_tss_192x72", "gemm_fusion_dot_1"]
+    assert top[0][1:] == (1.0, pytest.approx(0.020))
+    assert top[1][1:] == (1.0, pytest.approx(0.005))

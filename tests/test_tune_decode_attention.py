@@ -1,0 +1,36 @@
+"""benchmarks/tune_decode_attention.py on the CPU (interpret mode): it measures each configuration
+it tries and keeps the fastest; a configuration that fails is skipped, not fatal."""
+
+import dataclasses
+
+import pytest
+
+from benchmarks import tune_decode_attention as tune_module
+from longspec_jax.model_shapes import MODEL_SHAPES
+
+TINY = dataclasses.replace(MODEL_SHAPES["smollm2_135m"], num_heads=2, num_kv_heads=1, head_dim=64, num_layers=1)
+
+
+def test_coordinate_descent_keeps_the_fastest_and_skips_what_fails(monkeypatch):
+    monkeypatch.setattr(tune_module, "ITERATIONS", 1)
+    monkeypatch.setattr(tune_module, "KNOBS", {"block_rows": (16, 32), "num_warps": (3,)})
+    times = {None: 5.0, 16: 2.0, 32: 4.0}
+
+    def fake_seconds(config, inputs, layers, knobs):
+        if knobs["num_warps"] == 3:
+            raise ValueError("num_warps must be a power of two")
+        return times[knobs["block_rows"]] * 1e-6
+
+    monkeypatch.setattr(tune_module, "layer_seconds", fake_seconds)
+    logged = []
+    best, best_us, default_us = tune_module.tune(TINY, 1, 3, 40, 1, log=logged.append)
+    assert best["block_rows"] == 16 and best["num_warps"] is None
+    assert (best_us, default_us) == (pytest.approx(2.0), pytest.approx(5.0))
+    assert any("num_warps" in line and "ValueError" in line for line in logged)
+
+
+def test_one_configuration_runs_the_kernel_in_a_device_loop(monkeypatch):
+    monkeypatch.setattr(tune_module, "ITERATIONS", 1)
+    inputs = tune_module.make_inputs(TINY, 1, 3, 40, 64, 1)
+    seconds = tune_module.layer_seconds(TINY, inputs, 1, dict(tune_module.DEFAULT))
+    assert 0 < seconds < 60
