@@ -42,6 +42,8 @@ from longspec_jax.chunked_loss import chunked_next_token_loss
 from longspec_jax.config import ModelConfig
 from longspec_jax.model import MLP, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, inverse_frequencies
+from longspec_jax.tree import vocab_top_k
+from pallas_kernels.head_top_k import head_top_k
 
 DEFAULT_TREE_SLOTS = 128
 
@@ -292,8 +294,9 @@ def _forward_block(
     attn_impl: str,
 ):
     """One draft forward of a block of T tokens over the ring, the tree slots and itself ->
-    (logits float32[B,T,V], k, v [B,T,Hkv,D] of the block). tree_slots_seen bool[B,T,R]: the tree
-    slots each query sees; block_seen bool[B,T,T]: the block tokens each query sees."""
+    (features [B,T,H]: the block's output before the LM head, k, v [B,T,Hkv,D] of the block).
+    tree_slots_seen bool[B,T,R]: the tree slots each query sees; block_seen bool[B,T,T]: the block
+    tokens each query sees."""
     w = block.window
     b, t = tokens.shape
     p = positions[:, :, None]
@@ -318,7 +321,24 @@ def _forward_block(
         self_attend,
         lambda q: lagged_cross_attention(q, target_k, target_v, cross_len, valid, impl=attn_impl),
     )
-    return target_model.lm_logits(out), k, v
+    return out, k, v
+
+
+def draft_top_k(target_model, features, k: int, *, attn_impl=None):
+    """The k most likely next tokens after each of features [B,T,H] (the draft's output) under the
+    target's LM head -> (log-probs float32[B,T,k] descending, token ids int32[B,T,k]).
+
+    With the Pallas kernels one kernel computes the head and keeps each vocabulary tile's best k
+    (`head_top_k`): the [B,T,V] logits are never written, and XLA's top-k over the whole vocabulary
+    (its largest cost in a draft step on the H200) is not run. Otherwise the logits, their log-softmax
+    and `tree.vocab_top_k`. The two agree up to float rounding: the candidates of a tree need not be
+    exact for the output to be, the target's check is."""
+    b, t, h = features.shape
+    if _impl(attn_impl) == "pallas":
+        head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
+        best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k)
+        return best.reshape(b, t, k), ids.reshape(b, t, k)
+    return vocab_top_k(jax.nn.log_softmax(target_model.lm_logits(features), axis=-1), k)
 
 
 def tree_slots(state: DraftState, window: int) -> int:
@@ -329,14 +349,15 @@ def tree_slots(state: DraftState, window: int) -> int:
 def draft_commit(
     block: DraftBlock, target_model, state: DraftState, tokens, positions, valid, target_k, target_v, *, attn_impl=None
 ):
-    """Feed accepted tokens and write them into the ring -> (logits float32[B,T,V], new state).
+    """Feed accepted tokens and write them into the ring -> (features [B,T,H], new state): the
+    draft's outputs, whose next-token candidates `draft_top_k` gives.
 
     tokens, positions int32[B,T] (consecutive per row); valid bool[B,T] (padding rows give junk
-    logits, are never written and are invisible as keys); target_k/v [B,S,Hkv,D]: the target's
+    features, are never written and are invisible as keys); target_k/v [B,S,Hkv,D]: the target's
     last-layer cache (cache.k[-1], cache.v[-1]). Causal within the block; cross-attention lag 1:
     the token at position t sees target rows [0, t)."""
     b, t = tokens.shape
-    logits, k, v = _forward_block(
+    features, k, v = _forward_block(
         block,
         target_model,
         state,
@@ -351,7 +372,7 @@ def draft_commit(
         attn_impl=_impl(attn_impl),
     )
     slots = jnp.where(valid, positions % block.window, state.positions.shape[1])
-    return logits, _write_slots(state, slots, k, v, positions)
+    return features, _write_slots(state, slots, k, v, positions)
 
 
 def draft_propose_level(
@@ -367,7 +388,7 @@ def draft_propose_level(
     *,
     attn_impl=None,
 ):
-    """Feed one tree level and keep it in its tree slots -> (logits float32[B,w,V], new state).
+    """Feed one tree level and keep it in its tree slots -> (features [B,w,H], new state).
 
     tokens int32[B,w]: the level's nodes, flat nodes [end - w, end) of the tree; depth: the level's
     depth (static, >= 1); sees bool[B,w,end]: which flat nodes [0, end) each node sees, itself and
@@ -382,7 +403,7 @@ def draft_propose_level(
     b = tokens.shape[0]
     positions = jnp.broadcast_to(root_positions[:, None] + depth, (b, w)).astype(jnp.int32)
     ancestors = jnp.zeros((b, w, r), bool).at[:, :, : start - 1].set(sees[:, :, 1:start])
-    logits, k, v = _forward_block(
+    features, k, v = _forward_block(
         block,
         target_model,
         state,
@@ -397,7 +418,7 @@ def draft_propose_level(
         attn_impl=_impl(attn_impl),
     )
     slots = jnp.broadcast_to(block.window + start - 1 + jnp.arange(w, dtype=jnp.int32), (b, w))
-    return logits, _write_slots(state, slots, k, v, positions)
+    return features, _write_slots(state, slots, k, v, positions)
 
 
 def draft_remember(block: DraftBlock, target_model, state: DraftState, tokens, positions, valid) -> DraftState:

@@ -34,14 +34,21 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from longspec_jax.decode_kit import cache_bytes
-from longspec_jax.draft import draft_commit, draft_prefill, draft_propose_level, draft_remember, init_draft_state
+from longspec_jax.draft import (
+    draft_commit,
+    draft_prefill,
+    draft_propose_level,
+    draft_remember,
+    draft_top_k,
+    init_draft_state,
+)
 from longspec_jax.errors import UserError
 from longspec_jax.pld import propose_chain
 from longspec_jax.tree import (
     DEFAULT_WIDTHS,
     chain_tree,
-    expand_level,
-    init_tree,
+    expand_level_from_top,
+    init_tree_from_top,
     level_block,
     root_tree,
     validate_widths,
@@ -113,8 +120,9 @@ class PromptLookup:
 @dataclasses.dataclass(frozen=True)
 class BlockDraft:
     """The LongSpec draft block (draft.py) behind the calls `DraftProposer` makes; static. Its
-    parameters (nnx.split of the block) are the proposer's parameters. A stand-in draft (a test
-    oracle) provides the same four methods."""
+    parameters (nnx.split of the block) are the proposer's parameters. `commit` and
+    `propose_level` return the draft's features, `top_k` their k likeliest next tokens. A stand-in
+    draft (a test oracle) provides the same methods."""
 
     graphdef: Any
     tree_slots: int
@@ -142,6 +150,9 @@ class BlockDraft:
         return draft_propose_level(
             block, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl=attn_impl
         )
+
+    def top_k(self, params, target_model, features, k, attn_impl):
+        return draft_top_k(target_model, features, k, attn_impl=attn_impl)
 
 
 @struct.dataclass
@@ -205,18 +216,21 @@ class DraftProposer:
         root_pos = cache.lengths  # the tokens before the root are all in the cache
         target_k, target_v = cache.k[-1], cache.v[-1]
         positions, valid = self._pending_positions(state, root_pos)
-        logits, draft = self.draft.commit(
+        features, draft = self.draft.commit(
             params, model, state.draft, state.pending, positions, valid, target_k, target_v, attn_impl
         )
         root_row = jnp.maximum(state.n_pending - 1, 0)[:, None, None]
-        root_logits = jnp.take_along_axis(logits, root_row, axis=1)[:, 0]
-        tree = init_tree(roots, jax.nn.log_softmax(root_logits, axis=-1), self.widths)
+        root_features = jnp.take_along_axis(features, root_row, axis=1)  # [B, 1, H]
+        best, tokens = self.draft.top_k(params, model, root_features, self.widths[0], attn_impl)
+        tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
+        vocab = model.config.vocab_size
         for depth in range(1, len(self.widths)):
             tokens, _, sees = level_block(tree, depth, root_pos)
-            logits, draft = self.draft.propose_level(
+            features, draft = self.draft.propose_level(
                 params, model, draft, tokens, depth, sees, root_pos, target_k, target_v, attn_impl
             )
-            tree = expand_level(tree, depth, jax.nn.log_softmax(logits, axis=-1))
+            best, tokens = self.draft.top_k(params, model, features, min(self.widths[depth], vocab), attn_impl)
+            tree = expand_level_from_top(tree, depth, best, tokens)
         return tree, state.replace(draft=draft)
 
     def accept(self, state: DraftProposal, tokens, n_tokens, positions):

@@ -158,10 +158,17 @@ def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_
     should have passed `validate_widths`.
     """
     widths = tuple(widths)
-    tree = _empty_tree(root_tokens, widths)
     scores, tokens = vocab_top_k(root_log_probs.astype(jnp.float32), widths[0])
-    parents = jnp.zeros_like(tokens)
-    return _add_level(tree, 1, parents, tokens, scores)
+    return init_tree_from_top(root_tokens, scores, tokens, widths)
+
+
+def init_tree_from_top(root_tokens: jax.Array, best: jax.Array, tokens: jax.Array, widths=DEFAULT_WIDTHS) -> Tree:
+    """`init_tree` given the root's top-W[0] already: best float32[B, W[0]] (log-probs, descending)
+    and tokens int32[B, W[0]] (a draft that selects them as it computes its head, never writing
+    the whole vocabulary's log-probs)."""
+    widths = tuple(widths)
+    tree = _empty_tree(root_tokens, widths)
+    return _add_level(tree, 1, jnp.zeros_like(tokens), tokens, best.astype(jnp.float32))
 
 
 def expand_level(tree: Tree, depth: int, log_probs: jax.Array) -> Tree:
@@ -171,18 +178,28 @@ def expand_level(tree: Tree, depth: int, log_probs: jax.Array) -> Tree:
     children. Done in two stages (per-node top-W[depth], then global) to keep the sort small: the
     global winners are always among their node's own top-W[depth].
     """
-    widths = tree.widths
-    if not 1 <= depth < len(widths):
-        raise ValueError(f"expand_level depth must be in 1..{len(widths) - 1}, got {depth}")
-    start, end = level_slice(widths, depth)
-    b, w, v = log_probs.shape
-    k = min(widths[depth], v)
+    _check_depth(tree, depth)
+    k = min(tree.widths[depth], log_probs.shape[-1])
     node_best, node_tokens = vocab_top_k(log_probs.astype(jnp.float32), k)  # [B, w, k]
-    candidates = (tree.scores[:, start:end, None] + node_best).reshape(b, w * k)
-    scores, flat = jax.lax.top_k(candidates, widths[depth])
+    return expand_level_from_top(tree, depth, node_best, node_tokens)
+
+
+def expand_level_from_top(tree: Tree, depth: int, node_best: jax.Array, node_tokens: jax.Array) -> Tree:
+    """`expand_level` given each level-`depth` node's top-k already: node_best float32[B, w, k]
+    (log-probs, descending) and node_tokens int32[B, w, k], k = min(W[depth], V)."""
+    _check_depth(tree, depth)
+    start, end = level_slice(tree.widths, depth)
+    b, w, k = node_best.shape
+    candidates = (tree.scores[:, start:end, None] + node_best.astype(jnp.float32)).reshape(b, w * k)
+    scores, flat = jax.lax.top_k(candidates, tree.widths[depth])
     parents = start + flat // k
     tokens = jnp.take_along_axis(node_tokens.reshape(b, w * k), flat, axis=1)
     return _add_level(tree, depth + 1, parents, tokens, scores)
+
+
+def _check_depth(tree: Tree, depth: int) -> None:
+    if not 1 <= depth < len(tree.widths):
+        raise ValueError(f"expand_level depth must be in 1..{len(tree.widths) - 1}, got {depth}")
 
 
 def level_block(tree: Tree, depth: int, root_positions: jax.Array):

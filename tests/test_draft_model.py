@@ -70,8 +70,19 @@ def _train_logits(block, target, tokens, positions, target_k, target_v, lag):
 
 
 # Jitted as the engine will run it; one compile per block shape keeps the tests fast.
-_commit = nnx.jit(draft_commit)
-_propose_level = nnx.jit(draft_propose_level, static_argnames=("depth",))
+def _commit_logits(block, target, *args):
+    """draft_commit with the LM head's logits of its features (what these tests compare)."""
+    features, state = draft_commit(block, target, *args)
+    return target.lm_logits(features), state
+
+
+def _propose_level_logits(block, target, state, tokens, depth, *args):
+    features, state = draft_propose_level(block, target, state, tokens, depth, *args)
+    return target.lm_logits(features), state
+
+
+_commit = nnx.jit(_commit_logits)
+_propose_level = nnx.jit(_propose_level_logits, static_argnames=("depth",))
 _prefill = nnx.jit(draft_prefill)
 
 

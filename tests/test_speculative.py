@@ -27,7 +27,7 @@ from longspec_jax.proposers import DraftProposer, proposer_for
 from longspec_jax.round_profile import _repeat_propose, _repeat_verify, profile_round, profile_round_parts
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
 from longspec_jax.target import random_target
-from longspec_jax.tree import node_depths
+from longspec_jax.tree import node_depths, vocab_top_k
 from tests.tiny_models import tiny_config
 
 WIDTHS = (3, 4, 4)  # small tree: depth 3, 12 nodes + root
@@ -101,6 +101,9 @@ class OracleDraft:
         self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
     ):
         return self._logits(params, tokens, root_positions[:, None] + depth), state
+
+    def top_k(self, params, target_model, logits, k, attn_impl):  # its features are its logits
+        return vocab_top_k(jax.nn.log_softmax(logits, axis=-1), k)
 
 
 def oracle_generate(target, prompts, reference, max_new, eos=()):

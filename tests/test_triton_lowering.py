@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.commit_rows import commit_rows
+from pallas_kernels.head_top_k import head_top_k
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.tree_attention import masked_attention
 
@@ -119,3 +120,10 @@ def test_commit_rows_in_cache_lowers_to_a_valid_triton_module(lowered_modules, b
     lower_for_cuda(lambda *args: commit_rows(args[:n], None, *args[n:], interpret=False), *caches, path, lengths)
     assert_valid_modules(lowered_modules, {"commit_rows_in_cache"})
     assert any("barrier" in str(module) for module in lowered_modules)
+
+
+@pytest.mark.parametrize("r,v,h,k", [(1, 49152, 576, 16), (64, 49152, 576, 4), (16, 128256, 4096, 16)])
+def test_head_top_k_lowers_to_valid_triton_modules(lowered_modules, r, v, h, k):
+    x, w = jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
+    lower_for_cuda(lambda x, w: head_top_k(x, w, k, interpret=False), x, w)
+    assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})

@@ -1,0 +1,109 @@
+"""A draft step's LM head and top-k: the logits, log-softmax and `tree.vocab_top_k` (XLA) against
+the fused Pallas kernel (`draft.draft_top_k`, impl "pallas"), on the GPU.
+
+For a head of V x H (SmolLM2: 49,152 x 576; Llama-3: 128,256 x 4,096, bfloat16), rows 1 to 64 (a
+tree level's nodes times the batch) and k = 4 and 16, each call is timed inside a device loop (so
+no host dispatch is in the figure), beside the floor: the head's bytes at the copy rate measured in
+the same run. The two paths' token ids are compared first (equal where the k-th and (k+1)-th
+log-probs are apart by more than rounding).
+
+    python -m benchmarks.bench_draft_top_k [--shapes 49152x576,128256x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.decode_kernels import copy_bandwidth
+from longspec_jax.draft import draft_top_k
+
+ITERATIONS = 200
+
+
+def loop_us(impl: str, model, features, k: int) -> float:
+    """Microseconds per draft_top_k call, timed as ITERATIONS calls in one device loop (each call's
+    input depends on the previous result, so none is hoisted or overlapped)."""
+
+    def body(_, carry):
+        x, total = carry
+        best, ids = draft_top_k(model, x, k, attn_impl=impl)
+        nudge = (best[0, 0, 0] * 1e-30 + ids[0, 0, 0].astype(jnp.float32) * 1e-30).astype(x.dtype)
+        return x + nudge, total + best[0, 0, 0]
+
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, ITERATIONS, body, (x, jnp.float32(0))))
+    jax.block_until_ready(run(features))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(run(features))
+        best = min(best, time.perf_counter() - start)
+    return best / ITERATIONS * 1e6
+
+
+def agree(model, features, k: int) -> bool:
+    """The kernel's ids equal XLA's wherever XLA's k-th and (k+1)-th log-probs are clearly apart."""
+    best, ids = draft_top_k(model, features, k, attn_impl="pallas")
+    want_best, want_ids = draft_top_k(model, features, k + 1, attn_impl="xla")
+    clear = np.asarray(want_best[..., k - 1] - want_best[..., k]) > 1e-2
+    same = np.all(np.asarray(ids) == np.asarray(want_ids[..., :k]), axis=-1)
+    close = np.allclose(np.asarray(best), np.asarray(want_best[..., :k]), atol=2e-2)
+    return bool(np.all(same | ~clear) and close)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="49152x576,128256x4096", help="VOCABxHIDDEN, comma-separated")
+    parser.add_argument("--rows", default="1,4,16,64")
+    args = parser.parse_args(argv)
+    rate = copy_bandwidth()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {rate / 1e9:.0f} GB/s; us per call")
+    print("| V x H | rows | k | XLA us | kernel us | head floor us | XLA / kernel | kernel / floor | ids agree |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for shape in args.shapes.split(","):
+        vocab, hidden = (int(x) for x in shape.split("x"))
+        head = jax.random.normal(jax.random.key(0), (vocab, hidden), jnp.bfloat16) * 0.05
+        model = _HeadOnly(head)
+        floor_us = head.nbytes / rate * 1e6  # read once, at the copy rate (as decode_kernels' floor)
+        for rows in (int(r) for r in args.rows.split(",")):
+            features = jax.random.normal(jax.random.key(rows), (1, rows, hidden), jnp.bfloat16)
+            for k in (4, 16):
+                xla_us = loop_us("xla", model, features, k)
+                kernel_us = loop_us("pallas", model, features, k)
+                print(
+                    f"| {vocab} x {hidden} | {rows} | {k} | {xla_us:.1f} | {kernel_us:.1f} | {floor_us:.1f} | "
+                    f"{xla_us / kernel_us:.2f} | {kernel_us / floor_us:.2f} | {agree(model, features, k)} |",
+                    flush=True,
+                )
+
+
+class _HeadOnly:
+    """What draft_top_k reads of a target model: its tied head (embed) and lm_logits."""
+
+    lm_head = None
+
+    def __init__(self, head):
+        self._head = head
+
+    @property
+    def embed(self):
+        return _Value(self._head)
+
+    def lm_logits(self, hidden):
+        return jnp.einsum("bth,vh->btv", hidden, self._head, preferred_element_type=jnp.float32)
+
+
+class _Value:
+    def __init__(self, value):
+        self.value = value
+
+    def __getitem__(self, _):
+        return self.value
+
+
+if __name__ == "__main__":
+    main()

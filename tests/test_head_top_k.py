@@ -1,0 +1,144 @@
+"""head_top_k (interpret mode) == the top k of a float64 log-softmax over hidden @ head.T.
+
+The reference sorts stably, so equal log-probs come out lowest token id first, as jax.lax.top_k
+orders them. Shapes put V off the tile size (a last tile partly past V), R off the row block, and
+H at SmolLM2's 576 (nine chunks of 64) as well as at a width that is no power of two.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.head_top_k import head_top_k
+
+
+def reference(hidden, head, k):
+    """(log_probs, ids) [R, k] from float64 logits of the inputs as given (already rounded)."""
+    logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64).T
+    top = logits.max(axis=1, keepdims=True)
+    log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(log_probs, ids, axis=1), ids
+
+
+def random_inputs(rng, r, v, h, dtype):
+    """Logits of a few units, as an LM head gives; rounded to dtype before the reference sees them."""
+    hidden = jnp.asarray(rng.standard_normal((r, h)), dtype)
+    head = jnp.asarray(rng.standard_normal((v, h)) * (3.0 / np.sqrt(h)), dtype)
+    return hidden, head
+
+
+def as_f64(x):
+    return np.asarray(x.astype(jnp.float32), np.float64)
+
+
+# (R, V, H, k, block sizes): one row, rows in one block, rows over several blocks (37 rows in blocks
+# of 16, the last partly past R); V = 1000 and 4099 end in a partial tile.
+CASES = [
+    (1, 1000, 64, 4, {}),
+    (3, 4099, 96, 16, {}),
+    (16, 1000, 576, 1, {}),
+    (37, 4099, 64, 16, {"block_rows": 16, "block_vocab": 128}),
+    (37, 1000, 96, 5, {"block_vocab": 512}),
+]
+
+
+@pytest.mark.parametrize("r,v,h,k,blocks", CASES)
+def test_float32_matches_float64_reference(r, v, h, k, blocks):
+    hidden, head = random_inputs(np.random.default_rng([r, v, h, k]), r, v, h, jnp.float32)
+
+    log_probs, ids = head_top_k(hidden, head, k, interpret=True, **blocks)
+
+    want_log_probs, want_ids = reference(as_f64(hidden), as_f64(head), k)
+    assert log_probs.shape == ids.shape == (r, k)
+    assert log_probs.dtype == jnp.float32 and ids.dtype == jnp.int32
+    np.testing.assert_allclose(np.asarray(log_probs), want_log_probs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+
+
+@pytest.mark.parametrize("r,v,h,k,blocks", [(3, 1000, 576, 16, {}), (37, 4099, 96, 4, {"block_rows": 16})])
+def test_bfloat16_matches_float64_reference_of_the_rounded_inputs(r, v, h, k, blocks):
+    """bf16 products are exact in float32, so only the float32 sums differ from the reference: ids
+    must agree wherever the reference's neighbouring log-probs are further apart than that."""
+    tol = 1e-3
+    hidden, head = random_inputs(np.random.default_rng([r, v, h, k, 1]), r, v, h, jnp.bfloat16)
+
+    log_probs, ids = head_top_k(hidden, head, k, interpret=True, **blocks)
+
+    want_log_probs, want_ids = reference(as_f64(hidden), as_f64(head), k + 1)
+    np.testing.assert_allclose(np.asarray(log_probs), want_log_probs[:, :k], rtol=0, atol=tol)
+    gaps = -np.diff(want_log_probs, axis=1)  # gaps[:, j] between places j and j + 1
+    before = np.concatenate([np.full((r, 1), np.inf), gaps[:, :-1]], axis=1)
+    settled = (before > tol) & (gaps > tol)
+    assert settled.mean() > 0.9
+    np.testing.assert_array_equal(np.asarray(ids)[settled], want_ids[:, :k][settled])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ties_go_to_the_lower_token_id(dtype):
+    """Small integer inputs give exact logits; the head repeats four distinct rows, so every logit
+    is shared by a quarter of the vocabulary, across tiles and within them."""
+    rng = np.random.default_rng(7)
+    r, v, h, k = 5, 700, 32, 16
+    distinct = rng.integers(-2, 3, size=(4, h))
+    head = jnp.asarray(distinct[rng.integers(0, 4, size=v)], dtype)
+    hidden = jnp.asarray(rng.integers(-2, 3, size=(r, h)), dtype)
+
+    log_probs, ids = head_top_k(hidden, head, k, interpret=True, block_vocab=128)
+
+    want_log_probs, want_ids = reference(as_f64(hidden), as_f64(head), k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(log_probs), want_log_probs, rtol=1e-5, atol=1e-5)
+    lax_ids = jax.lax.top_k(jnp.asarray(hidden, jnp.float32) @ jnp.asarray(head, jnp.float32).T, k)[1]
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(lax_ids))
+
+
+@pytest.mark.parametrize("v,k", [(20, 16), (20, 20), (1, 1)])
+def test_vocabulary_smaller_than_one_tile(v, k):
+    """One tile, mostly past V: the masked tokens never win, even when k takes every real one."""
+    hidden, head = random_inputs(np.random.default_rng(v + k), 3, v, 64, jnp.float32)
+
+    log_probs, ids = head_top_k(hidden, head, k, interpret=True)
+
+    want_log_probs, want_ids = reference(as_f64(hidden), as_f64(head), k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(log_probs), want_log_probs, rtol=1e-5, atol=1e-5)
+
+
+def bad_inputs():
+    hidden, head = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((100, 64), jnp.bfloat16)
+    yield "k = 0", (hidden, head, 0), {}, "k must be"
+    yield "k > V", (hidden, head, 101), {}, "k must be"
+    yield "H differs", (hidden, jnp.zeros((100, 32), jnp.bfloat16), 4), {}, "must share H"
+    yield "dtypes differ", (hidden, head.astype(jnp.float32), 4), {}, "float dtype"
+    yield "integer inputs", (hidden.astype(jnp.int32), head.astype(jnp.int32), 4), {}, "float dtype"
+    yield "1-d hidden", (hidden[0], head, 4), {}, r"hidden \[R, H\]"
+    yield "no rows", (hidden[:0], head, 4), {}, "at least one row"
+    yield "H not a multiple of 16", (hidden[:, :40], head[:, :40], 4), {}, "multiple of 16"
+    yield "block_vocab", (hidden, head, 4), {"block_vocab": 96}, "block_vocab must be a power of two"
+    yield "block_rows", (hidden, head, 4), {"block_rows": 8}, "block_rows must be a power of two"
+
+
+@pytest.mark.parametrize("name,args,kwargs,match", list(bad_inputs()), ids=[c[0] for c in bad_inputs()])
+def test_bad_inputs_raise_value_error(name, args, kwargs, match):
+    with pytest.raises(ValueError, match=f"head_top_k: .*{match}"):
+        head_top_k(*args, interpret=True, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("r,k", [(1, 16), (64, 4)])
+def test_gpu_compiled_kernel_matches_xla(r, k):
+    """The compiled kernels at SmolLM2's head (49,152 x 576, bf16) against XLA's log-softmax and top-k."""
+    hidden, head = random_inputs(np.random.default_rng(r), r, 49152, 576, jnp.bfloat16)
+
+    log_probs, ids = jax.jit(lambda x, w: head_top_k(x, w, k))(hidden, head)
+
+    logits = jnp.dot(hidden, head.T, preferred_element_type=jnp.float32)
+    want_log_probs, want_ids = jax.lax.top_k(jax.nn.log_softmax(logits), k)
+    np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want_log_probs), atol=1e-3)
+    gaps = -np.diff(np.asarray(jax.lax.top_k(jax.nn.log_softmax(logits), k + 1)[0]), axis=1)
+    settled = gaps > 1e-3
+    settled[:, 1:] &= gaps[:, :-1] > 1e-3
+    np.testing.assert_array_equal(np.asarray(ids)[settled], np.asarray(want_ids)[settled])
