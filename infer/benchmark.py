@@ -335,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="first N prompts per task (per bucket for prefill_length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn-impl", help="xla, cudnn or pallas (default: fastest for the backend)")
-    p.add_argument("--ar-attn-impl", help="the AR baseline's attention (default: cudnn on GPU, else --attn-impl)")
+    p.add_argument(
+        "--ar-attn-impl",
+        help="the AR baseline's attention (default: --attn-impl, i.e. what `--mode ar` runs)",
+    )
     p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,16)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
@@ -381,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
     from longspec_jax import attention
 
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    ar_impl = args.ar_attn_impl or ("cudnn" if jax.default_backend() == "gpu" else None)
+    ar_impl = args.ar_attn_impl
     done = _read_runs(args.runs_out) if args.resume and args.runs_out.is_file() else []
     if done:
         log(f"resuming: {len(done)} runs already in {args.runs_out}")
