@@ -12,6 +12,9 @@ On the CPU with a tiny random model (a smoke run: the table's rows, no meaningfu
 Variants (the same weights):
 - before: the loaded layout (separate q/k/v and gate/up matrices) and one-token steps through the
   general block path (`hybrid_tree_attention`: the cache plus the new key under a 1 x 1 mask);
+- xla_projections: as after, but a verified block's projections through XLA (GEMMs and separate
+  norm, SwiGLU and residual kernels) instead of the fused Pallas kernels (`fused_linear`); the same
+  as after unless the attention impl is "pallas";
 - after: `Transformer.inference_layout()` (packed q/k/v and gate/up) and the one-token path (the
   new K/V row written, then one attention over the cache).
 
@@ -208,8 +211,11 @@ class _AsLoaded(Target):
 def variants(target) -> dict[str, Target]:
     before = nnx.clone(target.model)
     before.one_token_attention = False
+    xla_projections = nnx.clone(target.model)
+    xla_projections.fused_projections = False
     return {
         "before": _AsLoaded(target.config, before, target.tokenizer, target.shipped_draft),
+        "xla_projections": Target(target.config, xla_projections, target.tokenizer, target.shipped_draft),
         "after": Target(target.config, target.model, target.tokenizer, target.shipped_draft),
     }
 

@@ -15,7 +15,9 @@ A one-token `forward_block` (AR decoding) writes its K/V row and attends the cac
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
-`commit` moves the accepted rows down within the cache in one kernel. Otherwise the block's K/V
+`commit` moves the accepted rows down within the cache in one kernel, and each layer's projections
+run as fused Pallas kernels (`fused_linear`: the norms in the q|k|v and gate|up products' prologues,
+SwiGLU in the down product's, the residual adds in their epilogues). Otherwise the block's K/V
 come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per
 cache array.
 
@@ -36,6 +38,7 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 from pallas_kernels.commit_rows import commit_rows
+from pallas_kernels.fused_linear import fused_linear
 
 INIT_STD = 0.02
 
@@ -265,6 +268,35 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn.o_proj(attn_out.reshape(b, t, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.self_attn, PackedAttentionProjections)
+
+    def fused_qkv_product(self, x):
+        """`qkv_product` as one Pallas kernel, the norm in its prologue (packed layout only)."""
+        b, t, h = x.shape
+        proj, norm = self.self_attn.qkv_proj, self.input_layernorm
+        y = fused_linear(
+            x.reshape(b * t, h), proj.weight[...], norm_weight=norm.weight[...], eps=norm.eps, bias=_value(proj.bias)
+        )
+        return y.reshape(b, t, -1)
+
+    def fused_finish(self, x, attn_out):
+        """`finish` as three Pallas kernels (packed layout only): the o projection with the residual
+        add in its epilogue; the gate|up projection with the post-attention norm in its prologue; the
+        down projection with SwiGLU in its prologue and the residual add in its epilogue. XLA runs
+        these as GEMMs plus separate norm-statistics, SwiGLU and add kernels."""
+        b, t, h = x.shape
+        rows = x.reshape(b * t, h)
+        o_proj, gate_up, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+        norm = self.post_attention_layernorm
+        rows = fused_linear(attn_out.reshape(b * t, -1), o_proj.weight[...], residual=rows, bias=_value(o_proj.bias))
+        hidden = fused_linear(
+            rows, gate_up.weight[...], norm_weight=norm.weight[...], eps=norm.eps, bias=_value(gate_up.bias)
+        )
+        rows = fused_linear(hidden, down.weight[...], swiglu=True, residual=rows, bias=_value(down.bias))
+        return rows.reshape(b, t, h)
+
 
 class Transformer(nnx.Module):
     """Llama / Qwen2 decoder. Parameters in `dtype` (bfloat16 on GPU, float32 for tests)."""
@@ -283,6 +315,9 @@ class Transformer(nnx.Module):
         )
         # False sends one-token blocks through the general block path (benchmarks compare the two).
         self.one_token_attention = True
+        # A verified block's projections as fused Pallas kernels (packed layout, impl "pallas");
+        # False keeps XLA's (benchmarks compare the two).
+        self.fused_projections = True
 
     def _rope(self, positions: jax.Array) -> Rope:
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
@@ -372,10 +407,12 @@ class Transformer(nnx.Module):
         one_token = one_row and self.one_token_attention
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
+        fused = block_in_cache and self.fused_projections
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            fused_layer = fused and layer.packed
             if one_token or block_in_cache:
                 o, k_cache, v_cache = attention.attend_and_write_block(
-                    layer.qkv_product(x),
+                    layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x),
                     rope,
                     k_cache,
                     v_cache,
@@ -397,7 +434,7 @@ class Transformer(nnx.Module):
                 o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
                 block_k.append(k)
                 block_v.append(v)
-            x = layer.finish(x, o)
+            x = layer.fused_finish(x, o) if fused_layer else layer.finish(x, o)
             cache_k.append(k_cache)
             cache_v.append(v_cache)
         cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
@@ -413,6 +450,10 @@ class Transformer(nnx.Module):
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
         return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+
+
+def _value(param) -> jax.Array | None:
+    return None if param is None else param[...]
 
 
 def _cache_row(cache_rows: jax.Array, row: jax.Array) -> jax.Array:

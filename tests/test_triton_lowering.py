@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.commit_rows import commit_rows
+from pallas_kernels.fused_linear import fused_linear
 from pallas_kernels.head_top_k import head_top_k
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.tree_attention import masked_attention
@@ -127,3 +128,32 @@ def test_head_top_k_lowers_to_valid_triton_modules(lowered_modules, r, v, h, k):
     x, w = jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
     lower_for_cuda(lambda x, w: head_top_k(x, w, k, interpret=False), x, w)
     assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})
+
+
+# (M, N, K, swiglu, the optional arrays): SmolLM2's projections (qkv, o, gate|up, down) at 1 and 69
+# rows and a 7B's at 74, bf16; a bias on one.
+FUSED_LINEAR_SHAPES = [
+    (1, 960, 576, False, "norm_weight"),
+    (69, 960, 576, False, "norm_weight bias"),
+    (69, 576, 576, False, "residual"),
+    (69, 3072, 576, False, "norm_weight"),
+    (69, 576, 1536, True, "residual"),
+    (74, 12288, 4096, False, "norm_weight"),
+    (74, 4096, 11008, True, "residual"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,swiglu,extras", FUSED_LINEAR_SHAPES)
+def test_fused_linear_lowers_to_a_valid_triton_module(lowered_modules, m, n, k, swiglu, extras):
+    shapes = {"norm_weight": (k,), "bias": (n,), "residual": (m, n)}
+    names = extras.split()
+    x = jax.ShapeDtypeStruct((m, 2 * k if swiglu else k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+    arrays = [jax.ShapeDtypeStruct(shapes[name], jnp.bfloat16) for name in names]
+    lower_for_cuda(
+        lambda x, w, *arrays: fused_linear(x, w, swiglu=swiglu, interpret=False, **dict(zip(names, arrays))),
+        x,
+        w,
+        *arrays,
+    )
+    assert_valid_modules(lowered_modules, {"fused_linear"})

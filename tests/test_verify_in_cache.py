@@ -64,14 +64,15 @@ def test_pallas_verify_and_commit_match_xla():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_x), rtol=1e-5, atol=1e-6)
     for seq, n in enumerate(lengths):
         for got, old, new in zip(verified.k + verified.v, cache.k + cache.v, block_x.k + block_x.v):
-            # The prefix is left alone; the block's rotated K/V sit right after it.
+            # The prefix is left alone; the block's rotated K/V sit right after it (from the fused
+            # projection kernels: float32 sums in another order than XLA's, hence not bit-equal).
             np.testing.assert_array_equal(np.asarray(got[seq, :n]), np.asarray(old[seq, :n]))
-            np.testing.assert_allclose(np.asarray(got[seq, n : n + t]), np.asarray(new[seq]), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(got[seq, n : n + t]), np.asarray(new[seq]), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(committed.lengths), lengths + n_accept)
     np.testing.assert_array_equal(np.asarray(committed_x.lengths), lengths + n_accept)
     for seq, n in enumerate(lengths + n_accept):
         for got, want in zip(committed.k + committed.v, committed_x.k + committed_x.v):
-            np.testing.assert_allclose(np.asarray(got[seq, :n]), np.asarray(want[seq, :n]), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(got[seq, :n]), np.asarray(want[seq, :n]), rtol=1e-5, atol=1e-6)
 
 
 def test_pallas_speculative_greedy_output_equals_ar():
