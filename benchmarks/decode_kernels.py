@@ -12,11 +12,11 @@ On the CPU with a tiny random model (a smoke run: the table's rows, no meaningfu
 Variants (the same weights):
 - before: the loaded layout (separate q/k/v and gate/up matrices) and one-token steps through the
   general block path (`hybrid_tree_attention`: the cache plus the new key under a 1 x 1 mask);
-- xla_projections: as after, but a verified block's projections through XLA (GEMMs and separate
-  norm, SwiGLU and residual kernels) instead of the fused Pallas kernels (`fused_linear`); the same
-  as after unless the attention impl is "pallas";
 - after: `Transformer.inference_layout()` (packed q/k/v and gate/up) and the one-token path (the
-  new K/V row written, then one attention over the cache).
+  new K/V row written, then one attention over the cache);
+- fused_projections: as after, with a verified block's projections as fused Pallas kernels
+  (`fused_linear`) instead of XLA's GEMMs and separate norm, SwiGLU and residual kernels; the same
+  program as after unless the attention impl is "pallas".
 
 For each variant and mode (AR; LongSpec when a draft is at hand) it prints the kernels in one
 iteration of the compiled decode loop (its while body), the step (AR) or round (LongSpec) time
@@ -211,12 +211,12 @@ class _AsLoaded(Target):
 def variants(target) -> dict[str, Target]:
     before = nnx.clone(target.model)
     before.one_token_attention = False
-    xla_projections = nnx.clone(target.model)
-    xla_projections.fused_projections = False
+    fused_projections = nnx.clone(target.model)
+    fused_projections.fused_projections = True
     return {
         "before": _AsLoaded(target.config, before, target.tokenizer, target.shipped_draft),
-        "xla_projections": Target(target.config, xla_projections, target.tokenizer, target.shipped_draft),
         "after": Target(target.config, target.model, target.tokenizer, target.shipped_draft),
+        "fused_projections": Target(target.config, fused_projections, target.tokenizer, target.shipped_draft),
     }
 
 

@@ -15,9 +15,10 @@ A one-token `forward_block` (AR decoding) writes its K/V row and attends the cac
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
-`commit` moves the accepted rows down within the cache in one kernel, and each layer's projections
-run as fused Pallas kernels (`fused_linear`: the norms in the q|k|v and gate|up products' prologues,
-SwiGLU in the down product's, the residual adds in their epilogues). Otherwise the block's K/V
+`commit` moves the accepted rows down within the cache in one kernel; with `fused_projections` set,
+each layer's projections run as fused Pallas kernels too (`fused_linear`: the norms in the q|k|v and
+gate|up products' prologues, SwiGLU in the down product's, the residual adds in their epilogues).
+Otherwise the block's K/V
 come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per
 cache array.
 
@@ -315,9 +316,9 @@ class Transformer(nnx.Module):
         )
         # False sends one-token blocks through the general block path (benchmarks compare the two).
         self.one_token_attention = True
-        # A verified block's projections as fused Pallas kernels (packed layout, impl "pallas");
-        # False keeps XLA's (benchmarks compare the two).
-        self.fused_projections = True
+        # A verified block's projections as fused Pallas kernels (packed layout, impl "pallas").
+        # Off until timed on the GPU against XLA's (benchmarks/decode_kernels.py compares the two).
+        self.fused_projections = False
 
     def _rope(self, positions: jax.Array) -> Rope:
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))

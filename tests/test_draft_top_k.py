@@ -28,9 +28,11 @@ def test_kernel_and_xla_candidates_agree():
 
 def test_pallas_longspec_greedy_output_equals_ar():
     """The whole loop with the kernels in interpret mode: draft tree from the fused head top-k,
-    verified by the fused attention, committed in place."""
+    verified by the fused attention and the fused projections, committed in place."""
     target = random_target(tiny_config(head_dim=64), seed=1, dtype="float32")
-    target = Target(target.config, target.model.inference_layout(), target.tokenizer)
+    model = target.model.inference_layout()
+    model.fused_projections = True
+    target = Target(target.config, model, target.tokenizer)
     draft = init_draft(target, seed=2)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, size=9).tolist(), rng.integers(0, 128, size=5).tolist()]

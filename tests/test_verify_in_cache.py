@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from longspec_jax.generation import generate
@@ -36,10 +37,12 @@ def tree_path(mask, node, depth):
     return np.pad(walk, (0, depth + 1 - len(walk)))
 
 
-def test_pallas_verify_and_commit_match_xla():
+@pytest.mark.parametrize("fused_projections", [False, True])
+def test_pallas_verify_and_commit_match_xla(fused_projections):
     # Head dim 64 (the smallest the kernels take), two query heads per KV head.
     config = tiny_config(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2)
     model = random_target(config, seed=6, dtype="float32").model.inference_layout()
+    model.fused_projections = fused_projections  # the projections as fused_linear kernels or XLA's
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(6)
     lengths = np.asarray([11, 4], np.int32)
