@@ -14,9 +14,9 @@ Variants (the same weights):
   general block path (`hybrid_tree_attention`: the cache plus the new key under a 1 x 1 mask);
 - after: `Transformer.inference_layout()` (packed q/k/v and gate/up) and the one-token path (the
   new K/V row written, then one attention over the cache);
-- fused_projections: as after, with a verified block's projections as fused Pallas kernels
-  (`fused_linear`) instead of XLA's GEMMs and separate norm, SwiGLU and residual kernels; the same
-  program as after unless the attention impl is "pallas".
+- fused_projections: as after, with each layer's projections (the AR step's and a verified
+  block's) as fused Pallas kernels (`fused_linear`) instead of XLA's products and separate norm,
+  SwiGLU and residual kernels; the same program as after unless the attention impl is "pallas".
 
 For each variant and mode (AR; LongSpec when a draft is at hand) it prints the kernels in one
 iteration of the compiled decode loop (its while body), the step (AR) or round (LongSpec) time

@@ -15,9 +15,10 @@ A one-token `forward_block` (AR decoding) writes its K/V row and attends the cac
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
-`commit` moves the accepted rows down within the cache in one kernel; with `fused_projections` set,
-each layer's projections run as fused Pallas kernels too (`fused_linear`: the norms in the q|k|v and
-gate|up products' prologues, SwiGLU in the down product's, the residual adds in their epilogues).
+`commit` moves the accepted rows down within the cache in one kernel. With `fused_projections` set,
+each layer's projections (of a block and of the one-token step) run as fused Pallas kernels too
+(`fused_linear`: the norms in the q|k|v and gate|up products' prologues, SwiGLU in the down
+product's, the residual adds in their epilogues).
 Otherwise the block's K/V
 come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per
 cache array.
@@ -316,8 +317,9 @@ class Transformer(nnx.Module):
         )
         # False sends one-token blocks through the general block path (benchmarks compare the two).
         self.one_token_attention = True
-        # A verified block's projections as fused Pallas kernels (packed layout, impl "pallas").
-        # Off until timed on the GPU against XLA's (benchmarks/decode_kernels.py compares the two).
+        # Each layer's projections as fused Pallas kernels (packed layout, impl "pallas": a verified
+        # block and the one-token step). Off until timed on the GPU against XLA's
+        # (benchmarks/decode_kernels.py compares the two).
         self.fused_projections = False
 
     def _rope(self, positions: jax.Array) -> Rope:
@@ -408,7 +410,7 @@ class Transformer(nnx.Module):
         one_token = one_row and self.one_token_attention
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
-        fused = block_in_cache and self.fused_projections
+        fused = self.fused_projections and impl == "pallas" and (block_in_cache or one_token)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             fused_layer = fused and layer.packed
             if one_token or block_in_cache:

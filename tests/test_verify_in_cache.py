@@ -90,3 +90,17 @@ def test_pallas_speculative_greedy_output_equals_ar():
     speculative = run(attn_impl="pallas", mode="pld")
     assert speculative.tokens == reference
     assert speculative.stats.tau > 1
+
+
+def test_pallas_ar_steps_with_fused_projections_equal_xla():
+    """The one-token step with every projection as a fused kernel (interpret mode) decodes what the
+    XLA path decodes."""
+    target = random_target(tiny_config(head_dim=64), seed=3, dtype="float32")
+    model = target.model.inference_layout()
+    model.fused_projections = True
+    fused = Target(target.config, model, target.tokenizer)
+    prompts = [np.random.default_rng(1).integers(0, 128, size=7).tolist()]
+    reference = generate(target, prompts, max_new_tokens=6, eos_token_ids=(), attn_impl="xla", mode="ar").tokens
+    assert (
+        generate(fused, prompts, max_new_tokens=6, eos_token_ids=(), attn_impl="pallas", mode="ar").tokens == reference
+    )
