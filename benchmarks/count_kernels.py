@@ -107,12 +107,20 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec")
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
     parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")
+    parser.add_argument(
+        "--fused-projections", action="store_true", help="each layer's projections as fused Pallas kernels"
+    )
     args = parser.parse_args(argv)
 
     device = gpu_device()
     target = random_target(MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
+    target.model.fused_projections = args.fused_projections
     draft = init_draft(target, seed=1).cast(jnp.bfloat16)
-    print(f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, attention {args.attn_impl}")
+    projections = "fused" if args.fused_projections else "XLA"
+    print(
+        f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, attention {args.attn_impl}, "
+        f"projections {projections}"
+    )
     counts = {}
     for mode in args.modes.split(","):
         text = loop_program(target, draft, mode, args.prompt_tokens, args.new_tokens, args.attn_impl, device)
