@@ -13,6 +13,8 @@ matmul cost do not depend on the values) it times, with a random draft (bf16) an
     sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
     a launch and host sync, and loses fusion across its boundaries);
   - AR: the same loop in mode ar, per step at the same context.
+The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
+--fused-projections also runs its projections as fused Pallas kernels (with --impl pallas).
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
 the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
 targets): AR ms/token / (round ms / tau). Round cost does not depend on acceptance (static shapes).
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tau", type=float, default=3.5, help="tokens per round assumed for the projected speedup")
+    p.add_argument("--fused-projections", action="store_true", help="the target's projections as fused Pallas kernels")
     args = p.parse_args(argv)
     shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
     contexts = [int(c) for c in (args.contexts or ("64,256" if args.small else "4096,16384,32768,65536")).split(",")]
@@ -163,7 +166,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         t0 = time.perf_counter()
         target = random_target(SHAPES[shape], dtype=dtype)
         draft = init_draft(target, seed=1, config=DraftConfig()).cast(target.dtype)
-        graphdef, params = nnx.split(target.model)
+        model = target.decode_model()  # the packed inference layout, as Generator decodes
+        model.fused_projections = args.fused_projections
+        graphdef, params = nnx.split(model)
         jax.block_until_ready(params)
         print(
             f"{shape}: {cache_bytes(params) / 1e9:.2f} GB of target weights, "
