@@ -16,9 +16,9 @@ again, and XLA's GPU top-k costs several times the GEMM whatever the size. Here:
    than XLA's top-k over the candidates, whose fixed cost on the GPU is itself tens of
    microseconds.
 
-On the H200 at SmolLM2's head (49,152 x 576, bfloat16), timed inside a device loop, the two take
-~50-75 us at k = 16 for 1-64 rows (~30-45 us at k = 4), against ~210-225 us (~70-80) for XLA's
-GEMM, log-softmax and top-k; the GEMM alone measures ~35-60 us in that loop.
+On the H200 at SmolLM2's head (49,152 x 576, bfloat16) the two kernels took 26-66 us for 1-64
+rows against 56-215 us for XLA's GEMM, log-softmax and top-k: 1.2-3.2x the head's bytes floor
+(`python -m benchmarks.bench_draft_top_k`; BENCHMARKS.md has the table).
 
 A tile with fewer than k tokens (the last one, when V is not a multiple of the tile) pads its
 candidates with -inf, never chosen: there are V >= k finite logits ahead of them.
