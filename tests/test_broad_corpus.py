@@ -234,6 +234,13 @@ def test_target_text_resumes_without_duplicating_ids(tmp_path):
     assert target_text.main([*common, "--max-docs", "5"]) == 0
     assert len(out.read_text().splitlines()) == 5  # nothing left to do
     assert target_text.main([*common[:-2], "--prompt-tokens", "30", "--max-docs", "1"]) == 2
+    fixed = tmp_path / "fixed.jsonl"
+    args = [*common[:3], str(fixed), *common[4:-2], "--prompt-lengths", "30,36", "--max-docs", "5"]
+    assert target_text.main(args) == 0
+    continued = [json.loads(line) for line in fixed.read_text().splitlines()]
+    continued = [r for r in continued if r["task"] in target_text.CONTINUATIONS]
+    assert continued and {r["prompt_tokens"] for r in continued} <= {30, 36}
+    assert target_text.main([*args[:-2], "--prompt-lengths", "30,x"]) == 2
 
 
 def test_target_text_passes_give_each_document_more_tasks():
@@ -257,6 +264,36 @@ def test_target_text_passes_give_each_document_more_tasks():
         text = next(d.text for d in docs if d.path == j["path"])
         at = text.find(j["prompt"])
         assert at >= 0 and (at == 0 or text[at - 1] == "\n")
+
+
+def test_target_text_prompt_lengths_give_few_prompt_shapes_and_leave_short_documents_out():
+    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 200), "prose/book") for i in range(6)]
+    short = Document("src", "MIT", "doc", "tiny", "one short line\n", "prose/book")
+    codec = target_text.ByteCodec(128)
+    tasks = list(target_text.TASKS)
+    jobs = list(target_text.make_jobs([*docs, short], tasks, codec, (20, 30), 0, passes=5, prompt_lengths=(24, 48)))
+    assert jobs and all(j["path"] != "tiny" for j in jobs)
+    continuations = [j for j in jobs if j["task"] in target_text.CONTINUATIONS]
+    assert {len(j["prompt_ids"]) for j in continuations} == {24, 48}
+    instructions = {task: len(text) for task, text in target_text.INSTRUCTIONS.items()}
+    for j in jobs:
+        if j["task"] not in target_text.CONTINUATIONS:  # excerpt, a blank line, the instruction
+            assert len(j["prompt_ids"]) - 2 - instructions[j["task"]] <= 48
+    # A range draws many lengths; the same documents and tasks with it give more prompt shapes.
+    ranged = list(target_text.make_jobs(docs, tasks, codec, (20, 60), 0, passes=5))
+    assert len({len(j["prompt_ids"]) for j in ranged}) > len({len(j["prompt_ids"]) for j in jobs})
+
+
+def test_target_text_rejects_prompt_lengths_that_do_not_fit(tmp_path):
+    class Generator:
+        class target:
+            class config:
+                max_position_embeddings = 512
+
+    with pytest.raises(UserError, match="--prompt-lengths"):
+        target_text.generate_target_text(
+            Generator(), target_text.ByteCodec(128), [], tmp_path / "t.jsonl", prompt_lengths=(256, 1024)
+        )
 
 
 def test_target_text_stops_at_the_time_limit(tmp_path):
