@@ -40,6 +40,7 @@ from flax import nnx, struct
 from longspec_jax import attention
 from longspec_jax.chunked_loss import chunked_next_token_loss
 from longspec_jax.config import ModelConfig
+from longspec_jax.errors import UserError
 from longspec_jax.model import MLP, Linear, RMSNorm
 from longspec_jax.rope import apply_rope, inverse_frequencies
 from longspec_jax.tree import vocab_top_k
@@ -336,7 +337,10 @@ def draft_top_k(target_model, features, k: int, *, attn_impl=None):
     b, t, h = features.shape
     if _impl(attn_impl) == "pallas":
         head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
-        best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k)
+        try:
+            best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k)
+        except ValueError as err:  # a head the kernel cannot take: the user's choice of impl
+            raise UserError(f"{err}; use attn_impl 'xla' for this model") from err
         return best.reshape(b, t, k), ids.reshape(b, t, k)
     return vocab_top_k(jax.nn.log_softmax(target_model.lm_logits(features), axis=-1), k)
 

@@ -6,9 +6,11 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 
 from longspec_jax.draft import draft_top_k
 from longspec_jax.draft_io import init_draft
+from longspec_jax.errors import UserError
 from longspec_jax.generation import generate
 from longspec_jax.target import Target, random_target
 from tests.tiny_models import tiny_config
@@ -24,6 +26,14 @@ def test_kernel_and_xla_candidates_agree():
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
         np.testing.assert_allclose(np.asarray(best), np.asarray(want_best), rtol=1e-5, atol=1e-5)
         assert np.all(np.diff(np.asarray(best), axis=-1) <= 0)
+
+
+def test_a_head_the_kernel_cannot_take_is_a_user_error():
+    target = random_target(tiny_config(vocab_size=300, hidden_size=72), seed=0, dtype="float32")
+    features = jax.random.normal(jax.random.key(1), (1, 2, 72))
+    with pytest.raises(UserError, match="attn_impl 'xla'"):
+        draft_top_k(target.model, features, 4, attn_impl="pallas")
+    assert draft_top_k(target.model, features, 4, attn_impl="xla")[1].shape == (1, 2, 4)
 
 
 def test_pallas_longspec_greedy_output_equals_ar():
