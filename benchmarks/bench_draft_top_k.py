@@ -87,22 +87,10 @@ class _HeadOnly:
     lm_head = None
 
     def __init__(self, head):
-        self._head = head
-
-    @property
-    def embed(self):
-        return _Value(self._head)
+        self.embed = head  # an array reads as itself through draft_top_k's `embed[...]`
 
     def lm_logits(self, hidden):
-        return jnp.einsum("bth,vh->btv", hidden, self._head, preferred_element_type=jnp.float32)
-
-
-class _Value:
-    def __init__(self, value):
-        self.value = value
-
-    def __getitem__(self, _):
-        return self.value
+        return jnp.einsum("bth,vh->btv", hidden, self.embed, preferred_element_type=jnp.float32)
 
 
 if __name__ == "__main__":

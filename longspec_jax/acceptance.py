@@ -61,10 +61,10 @@ def accept(tree: Tree, picks: jax.Array) -> Acceptance:
     last = jnp.argmax(jnp.where(reached, depths[None, :], -1), axis=1).astype(jnp.int32)
     n_moves = depths[last]
     on_path = _at_node(tree.mask, last)  # [B, N]: the walk's nodes, the root included
-    at_depth = depths[None, :, None] == jnp.arange(steps)[None, None, :]  # [1, N, D+1]
+    at_step = on_path[:, :, None] & (depths[None, :, None] == jnp.arange(steps)[None, None, :])  # [B, N, D+1]
     nodes = jnp.arange(n, dtype=jnp.int32)[None, :, None]
-    path = jnp.sum(jnp.where(on_path[:, :, None] & at_depth, nodes, 0), axis=1)  # [B, D+1], 0 past the end
-    tokens = jnp.sum(jnp.where(on_path[:, :, None] & at_depth, tree.tokens[:, :, None], 0), axis=1)
+    path = jnp.sum(jnp.where(at_step, nodes, 0), axis=1)  # [B, D+1], 0 past the end
+    tokens = jnp.sum(jnp.where(at_step, tree.tokens[:, :, None], 0), axis=1)
     bonus = _at_node(picks, last)
     step = jnp.arange(steps)[None, :]
     # Emitted: the tokens of the walk's nodes below the root, then the bonus, then zeros.

@@ -18,10 +18,9 @@ rotates, attends and writes the block's K/V past the cache end (no slice or rota
 `commit` moves the accepted rows down within the cache in one kernel. With `fused_projections` set,
 each layer's projections (of a block and of the one-token step) run as fused Pallas kernels too
 (`fused_linear`: the norms in the q|k|v and gate|up products' prologues, SwiGLU in the down
-product's, the residual adds in their epilogues).
-Otherwise the block's K/V
-come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per
-cache array.
+product's, the residual adds in their epilogues). Otherwise (not "pallas") the block's K/V come
+back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per cache
+array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.

@@ -182,15 +182,14 @@ def generate_target_text(
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
     window = generator.target.config.max_position_embeddings
     if prompt_lengths:  # they replace the range
-        prompt_tokens = (min(prompt_lengths), max(prompt_lengths))
+        if min(prompt_lengths) < 1 or max(prompt_lengths) + max_new_tokens + 64 > window:
+            raise UserError(
+                f"--prompt-lengths {','.join(map(str, prompt_lengths))} must be >= 1 and, with --max-new-tokens "
+                f"{max_new_tokens}, fit the {window}-token window"
+            )
     elif prompt_tokens[0] < 1 or prompt_tokens[0] > prompt_tokens[1] or prompt_tokens[1] + max_new_tokens + 64 > window:
         raise UserError(
             f"--prompt-tokens {prompt_tokens} + --max-new-tokens {max_new_tokens} must fit the {window}-token window"
-        )
-    if prompt_lengths and (min(prompt_lengths) < 1 or max(prompt_lengths) + max_new_tokens + 64 > window):
-        raise UserError(
-            f"--prompt-lengths {','.join(map(str, prompt_lengths))} must be >= 1 and, with --max-new-tokens "
-            f"{max_new_tokens}, fit the {window}-token window"
         )
     if passes < 1:
         raise UserError(f"--passes {passes} must be at least 1")
