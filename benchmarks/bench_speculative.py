@@ -12,7 +12,8 @@ matmul cost do not depend on the values) it times, with a random draft (bf16) an
     `round_profile.profile_round`), per repetition: the paper's Table 5 analogue. "parts" is their
     sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
     a launch and host sync, and loses fusion across its boundaries);
-  - AR: the same loop in mode ar, per step at the same context.
+  - AR: the same loop in mode ar, per step at the same context, beside its bytes floor (weights
+    + the K/V rows it attends, at the device-to-device copy rate measured in the same run).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
 --fused-projections also runs its projections as fused Pallas kernels (with --impl pallas).
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.decode_kernels import copy_bandwidth
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.decode_loop import LoopConfig, decode, start
@@ -72,8 +74,16 @@ class Row:
     accept_ms: float = float("nan")
     parts_sum_ms: float = float("nan")
     ar_ms: float = float("nan")
+    ar_floor_ms: float = float("nan")
     draft_cache_mib: float = float("nan")
     error: str = ""
+
+
+def step_bytes(params, config, context: int, batch: int, dtype) -> int:
+    """Bytes an AR step must read once: every weight and the K/V rows it attends."""
+    weights = cache_bytes(params)
+    kv = 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim
+    return int(weights + kv * jnp.dtype(dtype).itemsize)
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -161,6 +171,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
         f"| jax {jax.__version__}"
     )
+    bandwidth = copy_bandwidth(1 << 24 if args.small else 1 << 30)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write): the AR step's bytes floor")
     rows = []
     for shape in shapes:
         t0 = time.perf_counter()
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         )
         for context in contexts:
             row = Row(shape, context)
+            row.ar_floor_ms = 1e3 * step_bytes(params, target.config, context, args.batch, target.dtype) / bandwidth
             try:
                 row.round_ms, parts, draft_bytes = bench_longspec(
                     target,
@@ -217,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
     print(
         f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}"
-        f"{'AR ms':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
+        f"{'AR ms':>8}{'floor':>8}{'AR/fl':>7}{'rnd/AR':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             continue
         print(
             f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
-            f"{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}{r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
+            f"{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}{r.ar_ms:>8.2f}{r.ar_floor_ms:>8.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"
+            f"{r.round_ms / r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
             f"{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
         )
     return rows

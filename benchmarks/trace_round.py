@@ -8,6 +8,7 @@ vocabulary top-k, other XLA fusions, copies) and prints milliseconds per round, 
 busy time and the span per round. A kernel-time-bound loop has busy ~ span.
 
     python -m benchmarks.trace_round --out /tmp/trace      # GPU
+    python -m benchmarks.trace_round --out /tmp/trace --fused-projections
     python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
 """
 
@@ -27,6 +28,8 @@ CLASSES = (
     ("cache_split_k_attn", "Pallas attention"),
     ("split_k_combine", "split-K combine"),
     ("commit_rows", "commit"),
+    ("fused_linear", "fused projection"),
+    ("head_top_k", "head top-k"),
     ("gemm", "GEMM"),
     ("nvjet", "GEMM"),
     ("cublas", "GEMM"),
@@ -96,7 +99,7 @@ def print_summary(label: str, summary: dict) -> None:
             print(f"  {cls:18s} {n:6.1f} kernels {ms:7.3f} ms")
 
 
-def record(out: Path, prompt_tokens: int, new_tokens: int) -> dict[str, Path]:
+def record(out: Path, prompt_tokens: int, new_tokens: int, fused_projections: bool) -> dict[str, Path]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -107,6 +110,7 @@ def record(out: Path, prompt_tokens: int, new_tokens: int) -> dict[str, Path]:
     from longspec_jax.target import random_target
 
     target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+    target.model.fused_projections = fused_projections
     draft = init_draft(target, seed=1).cast(jnp.bfloat16)
     prompt = np.random.default_rng(0).integers(100, 1000, size=prompt_tokens).tolist()
     traces = {}
@@ -128,11 +132,12 @@ def main(argv=None) -> None:
     parser.add_argument("--summarise", type=Path, help="only summarise this Perfetto trace (.json.gz)")
     parser.add_argument("--rounds", type=int, default=23, help="rounds in the --summarise trace")
     parser.add_argument("--top", type=int, default=0, help="also list the N kernels that took the most time")
+    parser.add_argument("--fused-projections", action="store_true", help="the projections as fused Pallas kernels")
     args = parser.parse_args(argv)
     if args.summarise:
         traces = {args.summarise.name: (args.summarise, args.rounds)}
     else:
-        traces = record(args.out, args.prompt_tokens, args.new_tokens)
+        traces = record(args.out, args.prompt_tokens, args.new_tokens, args.fused_projections)
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))
         print_summary(f"{label} ({path})", summarise(trace, rounds))

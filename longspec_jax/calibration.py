@@ -31,6 +31,7 @@ CALL_REPEATS = 3  # calls without a round, the fastest taken as what a call cost
 UNMEASURED_SECONDS = 1.0  # a candidate's cost a round until it is measured: too dear to pick
 METHOD = 2  # part of the key: costs measured another way are measured again
 _MEMORY: dict[str, dict[str, float]] = {}
+_with_costs = jax.jit(with_costs)
 
 
 def calibration_key(**parts) -> str:
@@ -159,17 +160,18 @@ def calibrated(state, run, names: tuple[str, ...], key: str):
 
 def with_round_costs(state, seconds):
     """The loop state with the policy's seconds per round replaced (a few floats to the device;
-    policy.with_costs)."""
-    policy = with_costs(state.proposal.policy, seconds)
+    policy.with_costs, one compiled call: as a dozen eager operations it cost a GPU request ms)."""
+    policy = _with_costs(state.proposal.policy, np.asarray(seconds, np.float32))
     return state.replace(proposal=state.proposal.replace(policy=policy))
 
 
-def policy_stats(proposer, policy, source) -> dict:
+def policy_stats(proposer, policy, source, remembered=()) -> dict:
     """What the policy did in a request, per candidate: rounds run, mean tokens kept per sequence
-    and round, and the calibrated milliseconds per round (with where they came from)."""
+    and round, and the calibrated milliseconds per round (with where they came from); and the
+    candidates that started from what earlier requests kept (acceptance_memory.py)."""
     if policy is None:
         return {}
-    stats = {"calibration": source, "candidates": {}}
+    stats = {"calibration": source, "remembered": list(remembered), "candidates": {}}
     for i, name in enumerate(proposer.names):
         rounds, active = int(policy.rounds[i]), int(policy.active[i])
         stats["candidates"][name] = {

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import attention
+from longspec_jax.acceptance_memory import memory_key, remember, weights_fingerprint, with_remembered
 from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
 from longspec_jax.calibration import calibrated, calibration_key, policy_stats
 from longspec_jax.compile_cache import enable_compile_cache
@@ -79,6 +80,7 @@ CHUNK_ROUNDS = 128
 # ... unless the whole request fits in this many rounds: then one call runs it all (each call costs
 # the host a dispatch and a read, ~1 ms together, which a short request feels).
 WHOLE_REQUEST_ROUNDS = 512
+SAMPLING_FIELDS = ("greedy", "temperature", "top_k", "top_p")  # what tokens per round depend on
 SEED_RANGE = (-(2**63), 2**63)  # what jax.random.key takes
 
 StreamCallback = Callable[[list[list[int]]], None]
@@ -169,6 +171,7 @@ class Generator:
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
         self._adaptive: dict[tuple, tuple] = {}
+        self._fingerprint: str | None = None  # of the weights, for mode auto's acceptance memory
         self._programs: dict[tuple, Any] = {}  # compiled programs by shape (loop_programs, run_prefill)
         if mode == AUTO_MODE:
             self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
@@ -185,6 +188,17 @@ class Generator:
         if plan not in self._adaptive:
             self._adaptive[plan] = adaptive_proposer(self.target, self.draft, plan)
         return self._adaptive[plan]
+
+    def acceptance_key(self, proposer: Adaptive, request: DecodeRequest, batch: int) -> str:
+        """The key of what mode auto's candidates kept in earlier requests of this kind
+        (acceptance_memory.py): the target's and draft's weights, the candidates, the batch size,
+        the sampling settings."""
+        if self._fingerprint is None:
+            draft = None if self.draft is None else nnx.state(self.draft.block)
+            self._fingerprint = weights_fingerprint((self.params, draft))
+        values = jax.device_get(tuple(getattr(request.sampling, name) for name in SAMPLING_FIELDS))
+        sampling = {name: np.asarray(v).item() for name, v in zip(SAMPLING_FIELDS, values)}
+        return memory_key(weights=self._fingerprint, candidates=proposer.names, batch=batch, **sampling)
 
     def generate(
         self,
@@ -311,7 +325,7 @@ class Generator:
                 prompt_tokens=int(batch.lengths.sum()),
                 compile_s=compile_s,
                 profile=profile,
-                policy=policy_stats(proposer, progress.policy, calibration) if adaptive else {},
+                policy=policy_stats(proposer, progress.policy, calibration, remembered) if adaptive else {},
                 runs=timeline,
             )
             text = None if self.target.tokenizer is None else [decode_text(self.target.tokenizer, t) for t in tokens]
@@ -326,6 +340,8 @@ class Generator:
         t0 = time.perf_counter()
         progress = None
         calibration = None
+        remembered = ()
+        memory = self.acceptance_key(proposer, request, len(prompts)) if adaptive else None
         runs = []  # each call of the loop: (what, rounds, seconds), the host's reads included
         try:
             state = programs.start(*start_args)
@@ -333,6 +349,7 @@ class Generator:
             if adaptive:
                 state, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
                 rounds = int(state.rounds) if calibration == "measured" else 0
+                state, remembered = with_remembered(state, proposer.names, memory)
             if request.profile:
                 jax.block_until_ready(state)
                 runs.append(("start", rounds, time.perf_counter() - t0))
@@ -349,6 +366,8 @@ class Generator:
             partial = None if progress is None else result(progress, time.perf_counter() - t0)
             raise GenerationInterrupted(partial) from interrupt
         decode_s = time.perf_counter() - t0
+        if adaptive:
+            remember(memory, proposer.names, progress.policy)
 
         profile = {}
         if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy

@@ -95,6 +95,22 @@ def with_costs(policy: PolicyState, seconds_per_round) -> PolicyState:
     return policy.replace(seconds_per_round=cost, tokens_per_round=tokens)
 
 
+def with_memory(policy: PolicyState, tokens_per_round, wait) -> PolicyState:
+    """The policy with what earlier requests of this kind kept (acceptance_memory.py):
+    tokens_per_round float[K] (NaN where nothing is remembered), wait int[K]. A candidate other
+    than AR that has not run yet and is remembered starts from its remembered estimate and retry
+    wait and is not due for a first trial: it runs at once if that makes it the best, else when its
+    wait is out."""
+    tokens = jnp.asarray(tokens_per_round, jnp.float32)
+    k = policy.since_used.shape[0]
+    known = jnp.isfinite(tokens) & (policy.rounds == 0) & (jnp.arange(k) != AR)
+    return policy.replace(
+        tokens_per_round=jnp.where(known, tokens, policy.tokens_per_round),
+        since_used=jnp.where(known, 0, policy.since_used),
+        wait=jnp.where(known, jnp.clip(jnp.asarray(wait, jnp.int32), FIRST_WAIT, MAX_WAIT), policy.wait),
+    )
+
+
 def expected_rates(policy: PolicyState) -> jax.Array:
     """float32[K]: estimated tokens per second of each candidate."""
     return policy.tokens_per_round / policy.seconds_per_round

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from longspec_jax import calibration
+from longspec_jax import acceptance_memory, calibration
 from longspec_jax.adaptive import Adaptive, Candidate, candidate_plan
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
@@ -27,8 +27,10 @@ def fresh_calibrations(monkeypatch, tmp_path):
     """Each test measures (or fixes) its own costs: nothing kept from another test."""
     monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path))
     calibration.forget_calibrations()
+    acceptance_memory.forget_memory()
     yield
     calibration.forget_calibrations()
+    acceptance_memory.forget_memory()
 
 
 @pytest.fixture(scope="module")

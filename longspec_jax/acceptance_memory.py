@@ -1,0 +1,131 @@
+"""What each speculation candidate kept per round in earlier requests of the same kind: where the
+adaptive policy starts the next one.
+
+Without it a request of mode "auto" starts knowing nothing: each candidate's estimate is its
+break-even and each is tried in the first rounds (policy.py). A new kind of text needs that trial;
+a workload of like requests pays it again and again: on a CPU at T = 1 a prompt-lookup chain costs
+about four AR steps and keeps one token, twice in a 128-token request. So after each request the
+engine keeps, per candidate, the tokens its rounds kept per sequence (a mean over the requests'
+rounds, the older ones counted as at most MEMORY_ROUNDS rounds so that it follows a change of
+workload) and its retry wait, in memory and in a small JSON file under the project's cache folder
+(`$LONGSPEC_CACHE/acceptance`). The next request of the same kind (the same target and draft
+weights, candidates, batch size and sampling settings) starts each remembered candidate from them
+(`policy.with_memory`): picked at once where its remembered rate is the best, else retried when its
+wait is out, not tried at the start. Tokens per round depend on neither the device nor the cache's
+size, so neither is part of the key. A file that cannot be read or written is ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from longspec_jax.compile_cache import cache_root
+from longspec_jax.policy import AR, with_memory
+
+MEMORY_ROUNDS = 64  # the older requests' rounds count as at most this many against a new request's
+FINGERPRINT_ELEMENTS = 4096  # of each weight array, hashed to tell two checkpoints of one shape apart
+_MEMORY: dict[str, dict[str, dict[str, float]]] = {}
+_with_memory = jax.jit(with_memory)  # one compiled call, not a dozen eager operations per request
+
+
+def weights_fingerprint(tree) -> str:
+    """A short hash of a pytree of arrays: each leaf's shape, dtype and first FINGERPRINT_ELEMENTS
+    values (cheap at any model size; two checkpoints of one architecture differ there)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        head = np.asarray(jax.device_get(leaf.reshape(-1)[:FINGERPRINT_ELEMENTS]))
+        digest.update(f"{leaf.shape}{leaf.dtype}".encode())
+        digest.update(head.tobytes())
+    return digest.hexdigest()[:32]
+
+
+def memory_key(**parts) -> str:
+    """A stable hex key of what a candidate's tokens per round depend on."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def memory_folder() -> Path | None:
+    try:
+        return cache_root() / "acceptance"
+    except RuntimeError:  # no home folder to put it under
+        return None
+
+
+def _valid(entry) -> bool:
+    return (
+        isinstance(entry, dict)
+        and all(isinstance(entry.get(f), int | float) for f in ("tokens_per_round", "rounds", "wait"))
+        and math.isfinite(entry["tokens_per_round"])
+        and entry["tokens_per_round"] >= 1.0
+        and entry["rounds"] > 0
+        and entry["wait"] > 0
+    )
+
+
+def load_memory(key: str, folder: Path | None) -> dict[str, dict[str, float]]:
+    """{candidate name: {"tokens_per_round", "rounds", "wait"}}, empty when nothing is kept."""
+    if key not in _MEMORY and folder is not None:
+        try:
+            entries = json.loads((folder / f"{key}.json").read_text())["candidates"]
+        except (OSError, ValueError, KeyError, TypeError):
+            entries = {}
+        if isinstance(entries, dict):
+            _MEMORY[key] = {str(name): entry for name, entry in entries.items() if _valid(entry)}
+    return _MEMORY.get(key, {})
+
+
+def save_memory(key: str, entries: dict[str, dict[str, float]], folder: Path | None) -> None:
+    _MEMORY[key] = dict(entries)
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.json.tmp"
+        tmp.write_text(json.dumps({"candidates": entries}, indent=1))
+        tmp.replace(folder / f"{key}.json")
+    except OSError:
+        pass
+
+
+def forget_memory() -> None:
+    """Drop the in-memory copies (tests; a process that starts a new workload)."""
+    _MEMORY.clear()
+
+
+def with_remembered(state, names: tuple[str, ...], key: str):
+    """The loop state with each remembered candidate's estimate and wait set (policy.with_memory)
+    -> (state, the names of the candidates that start from memory)."""
+    kept = load_memory(key, memory_folder())
+    remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
+    if not remembered:
+        return state, ()
+    tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
+    wait = np.asarray([kept[n]["wait"] if n in remembered else 0 for n in names], np.int32)
+    policy = _with_memory(state.proposal.policy, tokens, wait)
+    return state.replace(proposal=state.proposal.replace(policy=policy)), remembered
+
+
+def remember(key: str, names: tuple[str, ...], policy) -> None:
+    """After a request: fold what each candidate kept in it (the policy read back, numpy arrays)
+    into the memory of this kind of request."""
+    folder = memory_folder()
+    entries = dict(load_memory(key, folder))
+    for k, name in enumerate(names):
+        active = int(policy.active[k])
+        if k == AR or active == 0:
+            continue
+        mean, rounds = float(policy.emitted[k]) / active, int(policy.rounds[k])
+        old = entries.get(name)
+        if old is not None:
+            weight = min(old["rounds"], MEMORY_ROUNDS)
+            mean = (old["tokens_per_round"] * weight + mean * rounds) / (weight + rounds)
+            rounds += weight
+        entries[name] = {"tokens_per_round": max(mean, 1.0), "rounds": rounds, "wait": int(policy.wait[k])}
+    save_memory(key, entries, folder)
