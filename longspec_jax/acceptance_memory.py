@@ -13,6 +13,11 @@ weights, candidates, batch size and sampling settings) starts each remembered ca
 (`policy.with_memory`): picked at once where its remembered rate is the best, else retried when its
 wait is out, not tried at the start. Tokens per round depend on neither the device nor the cache's
 size, so neither is part of the key. A file that cannot be read or written is ignored.
+
+The price: requests of one key that differ in kind (code, where a tree keeps five tokens a round,
+and prose, where it keeps two) start from their mix, and a candidate remembered as losing is
+retried only when its remembered wait is out, so a short request of the other kind may not try it
+at all. Deleting `$LONGSPEC_CACHE/acceptance` starts afresh.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longspec_jax.compile_cache import cache_root
+from longspec_jax.compile_cache import cache_root, keep_json
 from longspec_jax.policy import AR, with_memory
 
 MEMORY_ROUNDS = 64  # the older requests' rounds count as at most this many against a new request's
@@ -83,15 +88,7 @@ def load_memory(key: str, folder: Path | None) -> dict[str, dict[str, float]]:
 
 def save_memory(key: str, entries: dict[str, dict[str, float]], folder: Path | None) -> None:
     _MEMORY[key] = dict(entries)
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{key}.json.tmp"
-        tmp.write_text(json.dumps({"candidates": entries}, indent=1))
-        tmp.replace(folder / f"{key}.json")
-    except OSError:
-        pass
+    keep_json(folder, key, {"candidates": entries})
 
 
 def forget_memory() -> None:

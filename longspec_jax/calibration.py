@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from longspec_jax.compile_cache import cache_root
+from longspec_jax.compile_cache import cache_root, keep_json
 from longspec_jax.policy import with_costs
 
 TIMED_SECONDS = 0.02  # about how long each candidate's timed run takes
@@ -68,15 +68,7 @@ def load_calibration(key: str, folder: Path | None) -> dict[str, float] | None:
 def save_calibration(key: str, seconds: dict[str, float], folder: Path | None, **about) -> None:
     """Keep `seconds` (per round, by candidate name) in memory and, when possible, on disk."""
     _MEMORY[key] = dict(seconds)
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{key}.json.tmp"
-        tmp.write_text(json.dumps({"seconds_per_round": seconds, **about}, indent=1, default=str))
-        tmp.replace(folder / f"{key}.json")
-    except OSError:
-        pass
+    keep_json(folder, key, {"seconds_per_round": seconds, **about})
 
 
 def forget_calibrations() -> None:

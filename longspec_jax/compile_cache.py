@@ -9,6 +9,7 @@ programs compiled ahead of time with `jitted.lower(*args).compile()` too (`gener
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -25,6 +26,20 @@ def cache_root() -> Path:
     """`$LONGSPEC_CACHE`, else `~/.cache/longspec_jax`."""
     configured = os.environ.get(CACHE_ENV)
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "longspec_jax"
+
+
+def keep_json(folder: Path | None, key: str, payload: dict) -> None:
+    """Write payload to folder/key.json through a temporary file (a reader never sees half a file);
+    a folder that cannot be written is passed over (what is kept there only saves work)."""
+    if folder is None:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{key}.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        tmp.replace(folder / f"{key}.json")
+    except OSError:
+        pass
 
 
 def _writable_folder(path: Path) -> str | None:
