@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.decode_kernels import copy_bandwidth
+from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.decode_loop import LoopConfig, decode, start
@@ -77,13 +77,6 @@ class Row:
     ar_floor_ms: float = float("nan")
     draft_cache_mib: float = float("nan")
     error: str = ""
-
-
-def step_bytes(params, config, context: int, batch: int, dtype) -> int:
-    """Bytes an AR step must read once: every weight and the K/V rows it attends."""
-    weights = cache_bytes(params)
-    kv = 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim
-    return int(weights + kv * jnp.dtype(dtype).itemsize)
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -189,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         )
         for context in contexts:
             row = Row(shape, context)
-            row.ar_floor_ms = 1e3 * step_bytes(params, target.config, context, args.batch, target.dtype) / bandwidth
+            row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
             try:
                 row.round_ms, parts, draft_bytes = bench_longspec(
                     target,

@@ -169,13 +169,13 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return 2 * x.nbytes / statistics.median(seconds)
 
 
-def ar_step_bytes(model, prompt_len: int, new_tokens: int) -> int:
-    """Bytes an AR step must read once: every parameter and the K/V rows it attends (at the
-    midpoint of the generation)."""
+def ar_step_bytes(model, rows: int, batch: int = 1) -> int:
+    """Bytes an AR step must read once: every parameter and the K/V rows it attends (`rows` per
+    sequence)."""
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     c = model.config
-    rows = prompt_len + new_tokens // 2
-    return int(weights + 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize)
+    kv = 2 * c.num_layers * batch * rows * c.num_kv_heads * c.head_dim
+    return int(weights + kv * jnp.dtype(model.dtype).itemsize)
 
 
 def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="") -> dict:
@@ -264,7 +264,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name, variant in variants(target).items():
         ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
-        floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt), new_tokens) / bandwidth
+        # the K/V rows at the generation's midpoint
+        floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt) + new_tokens // 2) / bandwidth
         row = {
             "variant": name,
             "ar_kernels": ar["kernels"],
