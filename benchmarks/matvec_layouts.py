@@ -47,6 +47,16 @@ def layer_nk(x, w):
     return x + dot(jax.nn.silu(gu[:, :FFN]) * gu[:, FFN:], w["down"])
 
 
+def layer_nk_multiply_reduce(x, w):
+    """[N, K] weights, each product written as an elementwise product and a float32 sum over K, so
+    XLA emits a reduction (fusable with its neighbours) instead of a GEMM for every row count."""
+    dot = lambda a, b: jnp.sum(a[:, None, :].astype(jnp.float32) * b[None].astype(jnp.float32), -1).astype(a.dtype)
+    h = dot(rms(x), w["qkv"])
+    x = x + dot(h[:, :HIDDEN], w["o"])
+    gu = dot(rms(x), w["gate_up"])
+    return x + dot(jax.nn.silu(gu[:, :FFN]) * gu[:, FFN:], w["down"])
+
+
 def layer_f32_accumulate(x, w):
     """[K, N] weights, products accumulated in float32 (preferred_element_type)."""
     dot = lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
@@ -54,6 +64,14 @@ def layer_f32_accumulate(x, w):
     x = x + dot(h[:, :HIDDEN], w["o"])
     gu = dot(rms(x), w["gate_up"])
     return x + dot(jax.nn.silu(gu[:, :FFN]) * gu[:, FFN:], w["down"])
+
+
+VARIANTS = {
+    "kn": ("W [K, N]", layer_kn, False),
+    "nk": ("W [N, K]", layer_nk, True),
+    "kn_f32": ("W [K, N], f32 accumulate", layer_f32_accumulate, False),
+    "nk_reduce": ("W [N, K], multiply-reduce", layer_nk_multiply_reduce, True),
+}
 
 
 def weights(key, layers, transposed):
@@ -103,16 +121,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--rows", default="1,2", help="comma-separated row counts (tokens x batch)")
+    parser.add_argument("--variants", default="kn,nk,kn_f32", help="comma-separated: " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
     bandwidth = copy_bandwidth(1 << 30)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bandwidth / 1e9:.0f} GB/s (read + write)")
-    variants = [
-        ("W [K, N]", layer_kn, False),
-        ("W [N, K]", layer_nk, True),
-        ("W [K, N], f32 accumulate", layer_f32_accumulate, False),
-    ]
+    variants = [VARIANTS[v] for v in args.variants.split(",")]
     rows = []
-    for m in (1, 2):
+    for m in (int(r) for r in args.rows.split(",")):
         for name, layer, transposed in variants:
             rows.append(run(name, layer, transposed, m, args.layers, args.repeats, bandwidth))
     return rows
