@@ -8,10 +8,11 @@ about four AR steps and keeps one token, twice in a 128-token request. So after 
 engine keeps, per candidate, the tokens its rounds kept per sequence (a mean over the requests'
 rounds, the older ones counted as at most MEMORY_ROUNDS rounds so that it follows a change of
 workload) and its retry wait, in memory and in a small JSON file under the project's cache folder
-(`$LONGSPEC_CACHE/acceptance`). The next request of the same kind (the same target and draft
-weights, candidates, batch size and sampling settings) starts each remembered candidate from them
-(`policy.with_memory`): picked at once where its remembered rate is the best, else retried when its
-wait is out, not tried at the start. Tokens per round depend on neither the device nor the cache's
+(`$LONGSPEC_CACHE/acceptance`; rewritten at most every SAVE_EVERY_S and when the process exits).
+The next request of the same kind (the same target and draft weights, candidates, batch size and
+sampling settings) starts each remembered candidate from them (`policy.with_memory`): picked at
+once where its remembered rate is the best, else retried when its wait is out, not tried at the
+start. Tokens per round depend on neither the device nor the cache's
 size, so neither is part of the key. A file that cannot be read or written is ignored.
 
 The price: requests of one key that differ in kind (code, where a tree keeps five tokens a round,
@@ -22,9 +23,11 @@ at all. Deleting `$LONGSPEC_CACHE/acceptance` starts afresh.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 
 import jax
@@ -35,7 +38,10 @@ from longspec_jax.policy import AR, with_memory
 
 MEMORY_ROUNDS = 64  # the older requests' rounds count as at most this many against a new request's
 FINGERPRINT_ELEMENTS = 4096  # of each weight array, hashed to tell two checkpoints of one shape apart
+SAVE_EVERY_S = 10.0  # a key's file is rewritten at most this often (and when the process exits)
 _MEMORY: dict[str, dict[str, dict[str, float]]] = {}
+_UNSAVED: dict[str, Path | None] = {}  # keys whose latest entries are not on disk yet, and their folder
+_SAVED_AT: dict[str, float] = {}  # when each key was last written (time.monotonic)
 _with_memory = jax.jit(with_memory)  # one compiled call, not a dozen eager operations per request
 
 
@@ -89,14 +95,34 @@ def load_memory(key: str, folder: Path | None) -> dict[str, dict[str, float]]:
     return _MEMORY.get(key, {})
 
 
-def save_memory(key: str, entries: dict[str, dict[str, float]], folder: Path | None) -> None:
+def save_memory(key: str, entries: dict[str, dict[str, float]], folder: Path | None, clock=time.monotonic) -> None:
+    """Keep `entries` in memory; on disk at most every SAVE_EVERY_S per key (writing the file after
+    every request cost it about a millisecond), and at the latest when the process exits
+    (`flush_memory`)."""
     _MEMORY[key] = dict(entries)
-    keep_json(folder, key, {"candidates": entries})
+    _UNSAVED[key] = folder
+    if clock() - _SAVED_AT.get(key, -math.inf) >= SAVE_EVERY_S:
+        _save(key, clock)
+
+
+def _save(key: str, clock=time.monotonic) -> None:
+    keep_json(_UNSAVED.pop(key), key, {"candidates": _MEMORY[key]})
+    _SAVED_AT[key] = clock()
+
+
+@atexit.register
+def flush_memory() -> None:
+    """Write every key whose latest entries are not on disk yet."""
+    for key in list(_UNSAVED):
+        _save(key)
 
 
 def forget_memory() -> None:
-    """Drop the in-memory copies (tests; a process that starts a new workload)."""
+    """Drop the in-memory copies, after writing what is not on disk yet (tests; a process that
+    starts a new workload)."""
+    flush_memory()
     _MEMORY.clear()
+    _SAVED_AT.clear()
 
 
 def with_remembered(state, names: tuple[str, ...], key: str):

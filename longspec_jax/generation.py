@@ -63,7 +63,7 @@ from longspec_jax.draft_io import inference_draft
 from longspec_jax.errors import GenerationInterrupted, UserError
 from longspec_jax.proposers import proposer_for
 from longspec_jax.round_profile import profile_round
-from longspec_jax.sampling import SamplingParams
+from longspec_jax.sampling import SamplingParams, SamplingSettings
 from longspec_jax.tokenizer import decode as decode_text
 
 __all__ = ["AUTO_MODE", "DEFAULT_MODE", "MODES", "GenerationResult", "GenerationStats", "Generator", "generate"]
@@ -80,7 +80,6 @@ CHUNK_ROUNDS = 128
 # ... unless the whole request fits in this many rounds: then one call runs it all (each call costs
 # the host a dispatch and a read, ~1 ms together, which a short request feels).
 WHOLE_REQUEST_ROUNDS = 512
-SAMPLING_FIELDS = ("greedy", "temperature", "top_k", "top_p")  # what tokens per round depend on
 SEED_RANGE = (-(2**63), 2**63)  # what jax.random.key takes
 
 StreamCallback = Callable[[list[list[int]]], None]
@@ -91,7 +90,7 @@ class DecodeRequest:
     """What a decode needs besides the model and prompts."""
 
     max_new_tokens: int
-    sampling: SamplingParams
+    sampling: SamplingSettings
     seed: int
     eos_token_ids: tuple[int, ...]
     stream: StreamCallback | None = None
@@ -173,6 +172,7 @@ class Generator:
         self._adaptive: dict[tuple, tuple] = {}
         self._fingerprint: str | None = None  # of the weights, for mode auto's acceptance memory
         self._programs: dict[tuple, Any] = {}  # compiled programs by shape (loop_programs, run_prefill)
+        self._sampling: dict[SamplingSettings, SamplingParams] = {}
         if mode == AUTO_MODE:
             self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
         else:
@@ -183,8 +183,7 @@ class Generator:
         request's sampling and batch size (built once per plan)."""
         if self.proposer is not None:
             return self.proposer, self.proposer_params
-        greedy = bool(np.asarray(request.sampling.greedy))
-        plan = candidate_plan(self.draft is not None, greedy, batch)
+        plan = candidate_plan(self.draft is not None, request.sampling.greedy, batch)
         if plan not in self._adaptive:
             self._adaptive[plan] = adaptive_proposer(self.target, self.draft, plan)
         return self._adaptive[plan]
@@ -196,9 +195,13 @@ class Generator:
         if self._fingerprint is None:
             draft = None if self.draft is None else nnx.state(self.draft.block)
             self._fingerprint = weights_fingerprint((self.params, draft))
-        values = jax.device_get(tuple(getattr(request.sampling, name) for name in SAMPLING_FIELDS))
-        sampling = {name: np.asarray(v).item() for name, v in zip(SAMPLING_FIELDS, values)}
-        return memory_key(weights=self._fingerprint, candidates=proposer.names, batch=batch, **sampling)
+        return memory_key(
+            weights=self._fingerprint,
+            candidates=proposer.names,
+            batch=batch,
+            greedy=request.sampling.greedy,
+            **dataclasses.asdict(request.sampling),
+        )
 
     def generate(
         self,
@@ -224,7 +227,7 @@ class Generator:
         check_prompts(prompts, self.target.config, max_new_tokens)
         request = DecodeRequest(
             max_new_tokens=int(max_new_tokens),
-            sampling=SamplingParams.create(temperature, top_k=top_k, top_p=top_p),
+            sampling=SamplingSettings.checked(temperature, top_k=top_k, top_p=top_p),
             seed=check_seed(seed),
             eos_token_ids=tuple(self.target.config.eos_token_ids if eos_token_ids is None else eos_token_ids),
             stream=stream,
@@ -232,6 +235,13 @@ class Generator:
             profile=profile,
         )
         return self.decode(prompts, request)
+
+    def sampling_params(self, settings: SamplingSettings) -> SamplingParams:
+        """The loop's sampling arrays for these settings, made once per Generator and settings (a
+        request with the settings of an earlier one sends nothing to the device for them)."""
+        if settings not in self._sampling:
+            self._sampling[settings] = settings.params()
+        return self._sampling[settings]
 
     def run_prefill(self, batch: PromptBatch, cache_len: int):
         """-> (last_logits, cache, seconds, compile seconds)."""
@@ -291,6 +301,7 @@ class Generator:
         slack = proposer.slack if adaptive else sum(widths)
         prompt_bucket, new_bucket, cache_len = plan_lengths(max(map(len, prompts)), request.max_new_tokens, slack=slack)
         batch = prompt_batch(prompts, prompt_bucket)
+        sampling = self.sampling_params(request.sampling)
         last_logits, cache, prefill_s, compile_s = self.run_prefill(batch, cache_len)
         stop = StopRule.create(request.eos_token_ids, request.max_new_tokens)
         start_args = (
@@ -300,7 +311,7 @@ class Generator:
             jnp.asarray(batch.tokens),
             jnp.asarray(batch.lengths),
             last_logits,
-            request.sampling,
+            sampling,
             jax.random.key(request.seed),
             stop,
         )
@@ -335,7 +346,7 @@ class Generator:
             """The loop until `rounds` rounds in all, or every sequence is done (adaptive: every round
             by `candidate` when it is >= 0, else as the policy picks)."""
             limit = jnp.asarray(rounds, jnp.int32)
-            return loop(self.params, proposer_params, state, limit, request.sampling, jnp.asarray(candidate, jnp.int32))
+            return loop(self.params, proposer_params, state, limit, sampling, jnp.asarray(candidate, jnp.int32))
 
         t0 = time.perf_counter()
         progress = None
@@ -371,7 +382,7 @@ class Generator:
 
         profile = {}
         if request.profile and not adaptive:  # adaptive: each candidate's round time is in stats.policy
-            profile, state = profile_round(programs.config, self.params, proposer_params, state, request.sampling)
+            profile, state = profile_round(programs.config, self.params, proposer_params, state, sampling)
         if request.profile:
             profile["step_in_loop_ms"] = 1e3 * decode_s / max(progress.rounds, 1)
         timeline = [{"what": name, "rounds": n, "ms": 1e3 * s} for name, n, s in runs]

@@ -27,6 +27,7 @@ they stay on does not recompile; turning top-k or top-p on or off does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -54,6 +55,21 @@ class SamplingParams:
     @classmethod
     def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
         """Validated settings; temperature 0 = greedy, top_k 0 = off, top_p 1 = off."""
+        return SamplingSettings.checked(temperature, top_k, top_p).params()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """A request's sampling settings as Python values (`checked` validates them): what the host
+    reads (greedy or not, the keys of what earlier requests kept) without a round trip to the
+    device. `params()` gives the arrays the loop reads."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def checked(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingSettings:
         try:
             temperature, top_p = float(temperature), float(top_p)
         except (TypeError, ValueError):
@@ -64,14 +80,20 @@ class SamplingParams:
             raise UserError(f"top_k must be an integer in [0, {INT32_MAX}] (0 = off), got {top_k}")
         if not 0.0 < top_p <= 1.0:
             raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-        greedy = temperature == 0.0
-        return cls(
-            temperature=jnp.asarray(1.0 if greedy else temperature, jnp.float32),
-            top_k=jnp.asarray(int(top_k), jnp.int32),
-            top_p=jnp.asarray(top_p, jnp.float32),
-            greedy=jnp.asarray(greedy),
-            use_top_k=top_k > 0,
-            use_top_p=top_p < 1.0,
+        return cls(temperature, int(top_k), top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=jnp.asarray(1.0 if self.greedy else self.temperature, jnp.float32),
+            top_k=jnp.asarray(self.top_k, jnp.int32),
+            top_p=jnp.asarray(self.top_p, jnp.float32),
+            greedy=jnp.asarray(self.greedy),
+            use_top_k=self.top_k > 0,
+            use_top_p=self.top_p < 1.0,
         )
 
 

@@ -20,7 +20,7 @@ from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.policy import FIRST_WAIT, init_policy, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal
-from longspec_jax.sampling import SamplingParams
+from longspec_jax.sampling import SamplingParams, SamplingSettings
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
 
 VOCAB = 40
@@ -112,7 +112,7 @@ def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
     adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", 0, NoProposal()), Candidate(name, 1, tree)))
     generator = Generator(target, mode="ar")
     generator.proposer_for_request = lambda request, batch: (adaptive, ((), jnp.asarray(known)))
-    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=())
+    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingSettings(), seed=0, eos_token_ids=())
     result = generator.decode(prompts, request)
     assert result.tokens == reference
     rounds = rounds_of(result)
@@ -263,7 +263,7 @@ def test_a_remembered_winner_runs_from_the_first_round(target, monkeypatch):
     adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", 0, NoProposal()), Candidate(name, 1, tree)))
     generator = Generator(target, mode="ar")
     generator.proposer_for_request = lambda request, batch: (adaptive, ((), jnp.asarray(known)))
-    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=())
+    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingSettings(), seed=0, eos_token_ids=())
     generator.decode([prompt], request)
     second = generator.decode([prompt], request)
     assert second.tokens == reference
@@ -303,3 +303,22 @@ def test_the_fingerprint_tells_weights_of_one_shape_apart(target):
     b = init_draft(target, seed=6, config=DraftConfig(window=8))
     fa, fb = (acceptance_memory.weights_fingerprint(nnx.state(d.block)) for d in (a, b))
     assert fa != fb and fa == acceptance_memory.weights_fingerprint(nnx.state(a.block))
+
+
+def test_the_memory_file_is_rewritten_at_most_every_few_seconds(tmp_path):
+    now = [100.0]
+    clock = lambda: now[0]  # noqa: E731
+    entry = lambda t: {"pld": {"tokens_per_round": t, "rounds": 4, "wait": 8}}  # noqa: E731
+    on_disk = lambda: json.loads((tmp_path / "k.json").read_text())["candidates"]["pld"]["tokens_per_round"]  # noqa: E731
+    acceptance_memory.save_memory("k", entry(2.0), tmp_path, clock=clock)
+    assert on_disk() == 2.0  # a key's first save is written at once
+    now[0] += 1.0
+    acceptance_memory.save_memory("k", entry(3.0), tmp_path, clock=clock)
+    assert on_disk() == 2.0 and acceptance_memory.load_memory("k", tmp_path)["pld"]["tokens_per_round"] == 3.0
+    now[0] += acceptance_memory.SAVE_EVERY_S
+    acceptance_memory.save_memory("k", entry(4.0), tmp_path, clock=clock)
+    assert on_disk() == 4.0
+    now[0] += 1.0
+    acceptance_memory.save_memory("k", entry(5.0), tmp_path, clock=clock)
+    acceptance_memory.flush_memory()  # as when the process exits
+    assert on_disk() == 5.0

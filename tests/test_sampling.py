@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from longspec_jax.errors import UserError
-from longspec_jax.sampling import SamplingParams, filtered_log_probs, greedy_pick, pick_token, sample
+from longspec_jax.sampling import (
+    SamplingParams,
+    SamplingSettings,
+    filtered_log_probs,
+    greedy_pick,
+    pick_token,
+    sample,
+)
 
 
 def reference_log_probs(logits, temperature, top_k, top_p):
@@ -155,3 +162,16 @@ def test_samples_follow_the_filtered_distribution():
 def test_bad_settings_raise_user_error(kwargs, fix):
     with pytest.raises(UserError, match=fix):
         SamplingParams.create(**kwargs)
+
+
+def test_settings_are_host_values_that_give_the_arrays_create_gives():
+    settings = SamplingSettings.checked(0.8, top_k=6, top_p=0.9)
+    assert settings == SamplingSettings(0.8, 6, 0.9) and not settings.greedy
+    made, created = settings.params(), SamplingParams.create(0.8, top_k=6, top_p=0.9)
+    for field in ("temperature", "top_k", "top_p", "greedy"):
+        assert np.asarray(getattr(made, field)) == np.asarray(getattr(created, field))
+    assert (made.use_top_k, made.use_top_p) == (True, True)
+    greedy = SamplingSettings.checked(0)
+    assert greedy.greedy and float(greedy.params().temperature) == 1.0 and bool(greedy.params().greedy)
+    with pytest.raises(UserError, match="top_p"):
+        SamplingSettings.checked(1.0, top_p=0.0)

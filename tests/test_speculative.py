@@ -25,7 +25,7 @@ from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.model import init_cache
 from longspec_jax.proposers import DraftProposer, proposer_for
 from longspec_jax.round_profile import _repeat_propose, _repeat_verify, profile_round, profile_round_parts
-from longspec_jax.sampling import SamplingParams, filtered_log_probs
+from longspec_jax.sampling import SamplingParams, SamplingSettings, filtered_log_probs
 from longspec_jax.target import random_target
 from longspec_jax.tree import node_depths, vocab_top_k
 from tests.tiny_models import tiny_config
@@ -114,7 +114,7 @@ def oracle_generate(target, prompts, reference, max_new, eos=()):
     generator = Generator(target, mode="ar", attn_impl="xla")
     generator.proposer = DraftProposer(OracleDraft(target.config.vocab_size), WIDTHS)
     generator.proposer_params = jnp.asarray(known)
-    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingParams.create(), seed=0, eos_token_ids=tuple(eos))
+    request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingSettings(), seed=0, eos_token_ids=tuple(eos))
     return generator.decode(prompts, request)
 
 
