@@ -33,7 +33,7 @@ from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft_io import init_draft
-from longspec_jax.model import init_cache
+from longspec_jax.model import SMALL_ROWS, init_cache
 from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.proposers import proposer_for
 from longspec_jax.sampling import SamplingParams
@@ -65,25 +65,39 @@ def _on(device, tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def loop_program(target, draft, mode: str, prompt_tokens: int, new_tokens: int, attn_impl: str, device, widths=None):
-    """The optimised HLO text of the decode loop `Generator` would run for one prompt, compiled for
-    `device` (a compile-only GPU from `gpu_device`, or any attached device)."""
+def loop_program(
+    target,
+    draft,
+    mode: str,
+    prompt_tokens: int,
+    new_tokens: int,
+    attn_impl: str,
+    device,
+    widths=None,
+    batch: int = 1,
+    small_rows=None,
+):
+    """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts, compiled
+    for `device` (a compile-only GPU from `gpu_device`, or any attached device). small_rows: the
+    inference layout's small-row products (default: `Target.decode_model`'s on that device)."""
     proposer, proposer_params = proposer_for(mode, target, draft, widths)
-    model = target.decode_model()
+    if small_rows is None:
+        small_rows = SMALL_ROWS if device.platform != "cpu" else ()
+    model = target.model.inference_layout(small_rows)
     graphdef, params = nnx.split(model)
     slack = sum(proposer.widths)
     prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)
     config = LoopConfig(graphdef, proposer, new_bucket, attn_impl)
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create(target.config.eos_token_ids, new_tokens)
-    cache = jax.eval_shape(lambda: init_cache(target.config, 1, cache_rows, model.dtype))
+    cache = jax.eval_shape(lambda: init_cache(target.config, batch, cache_rows, model.dtype))
     start_args = (
         params,
         proposer_params,
         cache,
-        jax.ShapeDtypeStruct((1, prompt_bucket), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-        jax.ShapeDtypeStruct((1, target.config.vocab_size), jnp.float32),
+        jax.ShapeDtypeStruct((batch, prompt_bucket), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, target.config.vocab_size), jnp.float32),
         sampling,
         jax.random.key(0),
         stop,
@@ -105,6 +119,11 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), default="pallas")
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tree-widths", help="the mode's tree (pld: a chain of len(widths) tokens), e.g. 4,16,16")
+    parser.add_argument(
+        "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"
+    )
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
     parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")
     parser.add_argument(
@@ -118,12 +137,24 @@ def main(argv=None) -> dict[str, int]:
     draft = init_draft(target, seed=1).cast(jnp.bfloat16)
     projections = "fused" if args.fused_projections else "XLA"
     print(
-        f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, attention {args.attn_impl}, "
-        f"projections {projections}"
+        f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, batch {args.batch}, "
+        f"attention {args.attn_impl}, projections {projections}, small-row products "
+        f"{'off' if args.no_small_rows else SMALL_ROWS}"
     )
     counts = {}
     for mode in args.modes.split(","):
-        text = loop_program(target, draft, mode, args.prompt_tokens, args.new_tokens, args.attn_impl, device)
+        text = loop_program(
+            target,
+            draft,
+            mode,
+            args.prompt_tokens,
+            args.new_tokens,
+            args.attn_impl,
+            device,
+            widths=None if args.tree_widths is None else tuple(int(w) for w in args.tree_widths.split(",")),
+            batch=args.batch,
+            small_rows=() if args.no_small_rows else SMALL_ROWS,
+        )
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")
         for op, n in loop_body_kernels_by_op(text).most_common(args.by_op):

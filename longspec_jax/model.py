@@ -7,7 +7,9 @@ Activations run in the parameter dtype; RMSNorm statistics, softmax and logits i
 Attention math lives in `attention.py`; this file only projects, rotates and stores K/V.
 
 `Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
-each, stored `[out, in]` (what a one-row product reads in one kernel), and every forward computes
+each, stored `[out, in]` (what a one-row product reads in one kernel; for a GPU, products of 2-3
+rows are written as a multiply and a float32 sum, which XLA keeps as one reduction kernel instead
+of a GEMM: `SMALL_ROWS`), and every forward computes
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
@@ -28,6 +30,7 @@ an array, so one compiled program serves all prompt lengths of the same padded s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +45,11 @@ from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
 
 INIT_STD = 0.02
+# Row counts (tokens x batch) whose packed products run as multiply-reduce on a GPU: on the H200 a
+# 30-layer chain of SmolLM2's products took 0.426 ms at 2 rows so against 0.630 as GEMMs (one row:
+# 0.398); at 4 rows the two tie and from 8 rows on the GEMMs win (BENCHMARKS.md, products by row
+# count). On a CPU the reduction is twice as slow as the dot at any row count, so it is GPU-only.
+SMALL_ROWS = (2, 3)
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin) of `rope.rope_tables`, shared by every layer
 
@@ -135,9 +143,12 @@ class PackedLinear(nnx.Module):
     [sum of outs, in], the transposed ("out, in") layout. A one-row product against it reduces over
     each weight row's contiguous memory, which XLA fuses into one kernel on the GPU; against the
     training layout [in, out] it wrote and re-read a weight-sized temporary (BENCHMARKS.md,
-    one-token matrix-vector products). `parts(x)` returns each Linear's output, in order."""
+    one-token matrix-vector products). `parts(x)` returns each Linear's output, in order.
+    small_rows: the row counts (all dimensions of x but the last, multiplied) whose product is
+    written as an elementwise product and a float32 sum over the input (`SMALL_ROWS` on a GPU)."""
 
-    def __init__(self, parts: Sequence[Linear]):
+    def __init__(self, parts: Sequence[Linear], small_rows: Sequence[int] = ()):
+        self.small_rows = tuple(small_rows)
         self.weight = nnx.Param(jnp.concatenate([p.kernel[...].T for p in parts], axis=0))
         self.bias = None if parts[0].bias is None else nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
         ends = [0]
@@ -146,7 +157,11 @@ class PackedLinear(nnx.Module):
         self.split_at = tuple(ends[1:-1])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
+        w = self.weight[...]
+        if math.prod(x.shape[:-1]) in self.small_rows:
+            y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(x.dtype)
+        else:
+            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
 
     def parts(self, x: jax.Array) -> list[jax.Array]:
@@ -198,9 +213,9 @@ class SelfAttentionProjections(nnx.Module):
 class PackedAttentionProjections(nnx.Module):
     """`SelfAttentionProjections` with q/k/v as one `PackedLinear` (inference layout)."""
 
-    def __init__(self, attn: SelfAttentionProjections):
-        self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = PackedLinear([attn.o_proj])
+    def __init__(self, attn: SelfAttentionProjections, small_rows: Sequence[int] = ()):
+        self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], small_rows)
+        self.o_proj = PackedLinear([attn.o_proj], small_rows)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
     def qkv(self, x, rope: Rope):
@@ -237,9 +252,9 @@ class MLP(nnx.Module):
 class PackedMLP(nnx.Module):
     """`MLP` with gate and up as one `PackedLinear` (inference layout)."""
 
-    def __init__(self, mlp: MLP):
-        self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = PackedLinear([mlp.down_proj])
+    def __init__(self, mlp: MLP, small_rows: Sequence[int] = ()):
+        self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj], small_rows)
+        self.down_proj = PackedLinear([mlp.down_proj], small_rows)
 
     def __call__(self, x):
         gate, up = self.gate_up_proj.parts(x)
@@ -324,17 +339,18 @@ class Transformer(nnx.Module):
     def _rope(self, positions: jax.Array) -> Rope:
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
 
-    def inference_layout(self) -> Transformer:
+    def inference_layout(self, small_rows: Sequence[int] = ()) -> Transformer:
         """This model with each layer's q/k/v and gate/up projections packed into one matrix each
-        and every layer matrix stored [out, in] (`PackedLinear`): the same function up to float
-        rounding order, four matmuls per layer instead of seven. Other
+        and every layer matrix stored [out, in] (`PackedLinear`, its products of `small_rows` rows
+        as multiply-reduce): the same function up to float rounding order, four matmuls per layer
+        instead of seven. Other
         parameters share their arrays with this model (no copy). For inference only: checkpoint
         writers and training use the unpacked layout. Packing a packed model returns it as is."""
         model = nnx.clone(self)
         for layer in model.layers:
             if isinstance(layer.self_attn, SelfAttentionProjections):
-                layer.self_attn = PackedAttentionProjections(layer.self_attn)
-                layer.mlp = PackedMLP(layer.mlp)
+                layer.self_attn = PackedAttentionProjections(layer.self_attn, small_rows)
+                layer.mlp = PackedMLP(layer.mlp, small_rows)
         return model
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
