@@ -33,7 +33,7 @@ from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft_io import init_draft
-from longspec_jax.model import SMALL_ROWS, init_cache
+from longspec_jax.model import SMALL_ROWS, init_cache, small_rows_for
 from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.proposers import proposer_for
 from longspec_jax.sampling import SamplingParams
@@ -81,9 +81,7 @@ def loop_program(
     for `device` (a compile-only GPU from `gpu_device`, or any attached device). small_rows: the
     inference layout's small-row products (default: `Target.decode_model`'s on that device)."""
     proposer, proposer_params = proposer_for(mode, target, draft, widths)
-    if small_rows is None:
-        small_rows = SMALL_ROWS if device.platform != "cpu" else ()
-    model = target.model.inference_layout(small_rows)
+    model = target.model.inference_layout(small_rows_for(device.platform) if small_rows is None else small_rows)
     graphdef, params = nnx.split(model)
     slack = sum(proposer.widths)
     prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)

@@ -196,11 +196,7 @@ class Generator:
             draft = None if self.draft is None else nnx.state(self.draft.block)
             self._fingerprint = weights_fingerprint((self.params, draft))
         return memory_key(
-            weights=self._fingerprint,
-            candidates=proposer.names,
-            batch=batch,
-            greedy=request.sampling.greedy,
-            **dataclasses.asdict(request.sampling),
+            weights=self._fingerprint, candidates=proposer.names, batch=batch, **dataclasses.asdict(request.sampling)
         )
 
     def generate(

@@ -46,10 +46,16 @@ from pallas_kernels.fused_linear import fused_linear
 
 INIT_STD = 0.02
 # Row counts (tokens x batch) whose packed products run as multiply-reduce on a GPU: on the H200 a
-# 30-layer chain of SmolLM2's products took 0.426 ms at 2 rows so against 0.630 as GEMMs (one row:
+# 30-layer chain of SmolLM2's products took 0.426 ms at 2 rows against 0.630 as GEMMs (one row:
 # 0.398); at 4 rows the two tie and from 8 rows on the GEMMs win (BENCHMARKS.md, products by row
 # count). On a CPU the reduction is twice as slow as the dot at any row count, so it is GPU-only.
 SMALL_ROWS = (2, 3)
+
+
+def small_rows_for(platform: str) -> tuple[int, ...]:
+    """The inference layout's small-row products on a device of this platform ("gpu" / "cuda" / "cpu")."""
+    return SMALL_ROWS if platform in ("gpu", "cuda") else ()
+
 
 Rope = tuple[jax.Array, jax.Array]  # (cos, sin) of `rope.rope_tables`, shared by every layer
 

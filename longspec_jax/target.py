@@ -12,7 +12,7 @@ from flax import nnx
 from longspec_jax.checkpoint_hf import load_hf_model, model_from_hf_tensors
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
-from longspec_jax.model import SMALL_ROWS, Transformer
+from longspec_jax.model import Transformer, small_rows_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -41,8 +41,7 @@ class Target:
         parameter arrays was replaced (e.g. by `nnx.update`)."""
         arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.model)))
         if getattr(self, "_decode_model_of", None) != (id(self.model), arrays):
-            small_rows = SMALL_ROWS if jax.default_backend() == "gpu" else ()
-            self._decode_model = self.model.inference_layout(small_rows)
+            self._decode_model = self.model.inference_layout(small_rows_for(jax.default_backend()))
             self._decode_model_of = (id(self.model), arrays)
         return self._decode_model
 
