@@ -1,9 +1,9 @@
 """Benchmark decoding modes side by side on the evaluation sets: tau, tokens/s and speedup over AR.
 
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
-        [--modes ar,pld,longspec] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
+        [--modes ar,pld,longspec,auto,longspec:8-8-8,pld:1] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
         [--tasks code_completion,summarisation,prefill_length] [--tree-widths 4,16,16,16,16]
-        [--json-out F] [--runs-out F [--resume]] [--profile]
+        [--json-out F] [--runs-out F [--resume]] [--profile] [--ignore-eos]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
 Every prompt runs every mode at every temperature in this one process; with --batch-sizes 1,4,8
@@ -15,7 +15,8 @@ temperature, batch) is a warm-up that is not counted (for "auto", as many as it 
 candidate, WARM_UP_REQUESTS at most), so timings hold neither compilation nor first-run costs.
 tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the same
 task and temperature. At T = 0 each speculative run is also checked to give exactly AR's tokens
-(lossless decoding). A mode the build cannot run (no draft, engine missing) is skipped with its
+(lossless decoding). A mode may carry its own tree (`longspec:8-8-8`, `pld:1`: reported under
+that name beside the plain mode). A mode the build cannot run (no draft, engine missing) is skipped with its
 reason. Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did;
 the same command with --resume runs only what is missing; --summarise builds the tables from such
 files); the full results go to --json-out; a markdown table is printed last.
@@ -65,6 +66,28 @@ def _tokens_digest(tokens: list[int]) -> str:
     return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
+def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
+    """(mode, its own tree widths or None) of a --modes entry: "ar", "auto", "pld", "longspec", or
+    "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode)."""
+    from longspec_jax.generation import AUTO_MODE, MODES
+
+    mode, _, widths = spec.partition(":")
+    if mode not in (*MODES, AUTO_MODE) or (widths and mode not in ("pld", "longspec")):
+        raise UserError(
+            f"unknown mode {spec!r} in --modes: choose from {', '.join((*MODES, AUTO_MODE))}, "
+            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8"
+        )
+    if not widths:
+        return mode, None
+    try:
+        parsed = tuple(int(w) for w in widths.split("-"))
+    except ValueError:
+        parsed = ()
+    if not parsed or min(parsed) < 1:
+        raise UserError(f"the tree in --modes {spec!r} must be positive widths joined by '-', as in longspec:8-8-8")
+    return mode, parsed
+
+
 def run_benchmark(
     target,
     draft,
@@ -82,35 +105,40 @@ def run_benchmark(
     on_run=None,
     done: tuple[dict, ...] = (),
     batch_sizes=(1,),
+    ignore_eos: bool = False,
 ) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
     benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs").
-    tree_widths: longspec's tree (default: the engine's); each longspec record carries the one used."""
+    modes: mode names, or `parse_mode_spec`'s "MODE:W1-W2-..." for a mode with its own tree.
+    tree_widths: a plain "longspec"'s tree (default: the engine's); each record of a mode with a tree
+    carries the one used."""
     from longspec_jax.decode_kit import plan_lengths
     from longspec_jax.generation import Generator
     from longspec_jax.proposers import resolve_widths
 
     skipped: dict[str, str] = {}
     generators = {}
-    longspec_widths = None
-    for mode in sorted(modes, key=lambda m: m != "ar"):  # AR first: the others are checked against it
+    widths_used: dict[str, list[int] | None] = {}
+    for spec in sorted(modes, key=lambda m: m != "ar"):  # AR first: the others are checked against it
+        mode, own_widths = parse_mode_spec(spec)
         if mode == "longspec" and draft is None:
-            skipped[mode] = "no draft: pass --draft PATH (only the embedded SmolLM2 ships one)"
+            skipped[spec] = "no draft: pass --draft PATH (only the embedded SmolLM2 ships one)"
             continue
-        if mode == "longspec":
+        widths = own_widths if own_widths is not None else (tree_widths if mode == "longspec" else None)
+        if mode in ("longspec", "pld"):
             try:
-                longspec_widths = list(resolve_widths("longspec", tree_widths, target.config.vocab_size))
+                widths_used[spec] = list(resolve_widths(mode, widths, target.config.vocab_size))
             except UserError as e:
-                skipped[mode] = str(e)
+                skipped[spec] = str(e)
                 continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
-        generators[mode] = Generator(
+        generators[spec] = Generator(
             target,
             draft if mode in ("longspec", "auto") else None,
             mode=mode,
             attn_impl=impl,
-            tree_widths=tree_widths if mode == "longspec" else None,
+            tree_widths=widths,
         )
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")
@@ -132,6 +160,8 @@ def run_benchmark(
                 if (item["id"], mode, temperature) in finished:
                     continue
                 kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+                if ignore_eos:
+                    kwargs["eos_token_ids"] = ()
                 try:
                     # Greedy and sampling may be different programs: warm each up once per cache size
                     # (the decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
@@ -171,7 +201,7 @@ def run_benchmark(
                     "policy": stats.policy,
                     "runs": stats.runs,
                     "tokens_sha1": digest,
-                    "tree_widths": longspec_widths if mode == "longspec" else None,
+                    "tree_widths": widths_used.get(mode),
                     "matches_ar": (digest == reference) if temperature == 0 and mode != "ar" and reference else None,
                 }
                 runs.append(record)
@@ -238,6 +268,7 @@ def _group_stats(runs: list[dict]) -> dict:
         "mean_prefill_s": statistics.fmean(r["prefill_s"] for r in runs),
         "mean_decode_s": statistics.fmean(r["decode_s"] for r in runs),
         "mean_rounds": statistics.fmean(r["rounds"] for r in runs),
+        "ms_per_round": 1e3 * decode_s / max(sum(r["rounds"] for r in runs), 1),
         "matches_ar": (sum(checks) / len(checks)) if checks else None,
         "profile": {k: statistics.fmean(r["profile"][k] for r in runs if k in r["profile"]) for k in profile_keys},
     }
@@ -276,13 +307,14 @@ def _fmt(x, spec: str) -> str:
 
 def markdown_tables(summary: dict) -> str:
     lines = [
-        "| task | batch | T | mode | runs | tau | tokens/s | speedup vs AR | greedy = AR |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| task | batch | T | mode | runs | tau | ms / round | tokens/s | speedup vs AR | greedy = AR |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for g in summary["by_task"]:
         lines.append(
             f"| {g['task']} | {g['batch']} | {g['temperature']:g} | {g['mode']} | {g['prompts']} | "
-            f"{g['mean_tau']:.2f} | {g['tokens_per_s']:.1f} | {_fmt(g['speedup_vs_ar'], '.2f')} | "
+            f"{g['mean_tau']:.2f} | {g['ms_per_round']:.3f} | {g['tokens_per_s']:.1f} | "
+            f"{_fmt(g['speedup_vs_ar'], '.2f')} | "
             f"{_fmt(g['matches_ar'], '.0%')} |"
         )
     if summary["by_bucket"]:
@@ -327,7 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-dir", type=Path, help="folder made by infer.build_eval_sets")
     p.add_argument("--target", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft (default for the embedded target: the shipped draft)")
-    p.add_argument("--modes", default="ar,pld,longspec")
+    p.add_argument(
+        "--modes",
+        default="ar,pld,longspec",
+        help="ar, pld, longspec, auto; pld:W-W-.. / longspec:W-W-.. run a chain or tree of their own",
+    )
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--batch-sizes", default="1", help="e.g. 1,4,8: also run batches of consecutive prompts")
     p.add_argument("--tasks", default=",".join(TASKS))
@@ -340,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the AR baseline's attention (default: --attn-impl, i.e. what `--mode ar` runs)",
     )
     p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,16)")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="make every run --max-new-tokens long (sampled batches then do equal work in every mode)",
+    )
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     p.add_argument("--profile", action="store_true", help="also time the parts of a decode step / round")
     p.add_argument("--json-out", type=Path, help="write the full results here")
@@ -361,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     modes = _csv(args.modes, str, "--modes")
+    for spec in modes:
+        parse_mode_spec(spec)
     temperatures = _csv(args.temperatures, float, "--temperatures")
     tasks = _csv(args.tasks, str, "--tasks")
     unknown = sorted(set(tasks) - set(TASKS))
@@ -372,7 +415,9 @@ def run(args: argparse.Namespace) -> dict:
 
     tree_widths = parse_tree_widths(args.tree_widths)
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
-    target, draft = load_models(args.target, args.draft, args.dtype, bool({"longspec", "auto"} & set(modes)))
+    target, draft = load_models(
+        args.target, args.draft, args.dtype, bool({"longspec", "auto"} & {parse_mode_spec(m)[0] for m in modes})
+    )
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
@@ -409,6 +454,7 @@ def run(args: argparse.Namespace) -> dict:
             on_run=None if runs_out is None else lambda r: (runs_out.write(json.dumps(r) + "\n"), runs_out.flush()),
             done=tuple(done),
             batch_sizes=_csv(args.batch_sizes, int, "--batch-sizes"),
+            ignore_eos=args.ignore_eos,
         )
     finally:
         if runs_out is not None:
@@ -427,6 +473,7 @@ def run(args: argparse.Namespace) -> dict:
             "tasks": tasks,
             "tree_widths": tree_widths,
             "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": args.ignore_eos,
             "limit": args.limit,
             "seed": args.seed,
             "attn_impl": args.attn_impl or attention.default_impl(),

@@ -179,14 +179,26 @@ def test_eval_sets_refuse_too_few_long_documents():
 # ----------------------------------------------------------------------------- benchmark and plot
 
 
+def _tiny_eval_sets(folder, prompts_per_task: int) -> None:
+    """Eval sets of fake code and docs in `folder`, tokenised by characters, for the benchmark's runs."""
+    spec = EvalSpec(
+        code_range=(140, 240),
+        summary_range=(120, 400),
+        buckets={"s": (60, 120)},
+        per_task=prompts_per_task,
+        per_bucket=1,
+    )
+    tok = CharTokenizer()
+    code = fake_documents("code", 2 * prompts_per_task, 20)
+    sets = build_eval_sets.build_eval_sets(code, fake_documents("doc", 4, 12), tok, spec)
+    build_eval_sets.write_eval_sets(folder, sets, tok, spec, "char")
+
+
 def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
     from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
     target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
-    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=2, per_bucket=1)
-    tok = CharTokenizer()
-    sets = build_eval_sets.build_eval_sets(fake_documents("code", 4, 20), fake_documents("doc", 4, 12), tok, spec)
-    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=2)
     out = tmp_path / "results.json"
 
     rc = benchmark.main(
@@ -368,10 +380,7 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
 
     target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
     draft = init_draft(load_target(str(target), dtype="float32")).save(tmp_path / "draft")
-    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=2, per_bucket=1)
-    tok = CharTokenizer()
-    sets = build_eval_sets.build_eval_sets(fake_documents("code", 4, 20), fake_documents("doc", 4, 12), tok, spec)
-    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=2)
     out = tmp_path / "results.json"
     common = [
         "--eval-dir",
@@ -403,16 +412,25 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert json.loads(out.read_text())["runs"][0]["tree_widths"] == [4, 16, 16, 16, 16]  # the engine's default
     assert benchmark.main([*common, "--tree-widths", "4,x"]) == 2
 
+    # Modes with trees of their own run beside the plain ones, each reported under its name.
+    assert benchmark.main([*common, "--modes", "ar,longspec,longspec:2,pld:1-1", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    by_mode = {r["mode"]: r for r in report["runs"]}
+    assert by_mode["longspec"]["tree_widths"] == [4, 16, 16, 16, 16]
+    assert by_mode["longspec:2"]["tree_widths"] == [2] and by_mode["pld:1-1"]["tree_widths"] == [1, 1]
+    assert all(by_mode[m]["matches_ar"] is True for m in ("longspec", "longspec:2", "pld:1-1"))
+    assert {g["mode"] for g in report["summary"]["by_task"]} == {"ar", "longspec", "longspec:2", "pld:1-1"}
+    assert "| longspec:2 |" in report["markdown"]
+    for bad in ("longspec:2-x", "ar:2", "tree:2", "pld:0"):
+        assert benchmark.main([*common, "--modes", f"ar,{bad}"]) == 2
+
 
 def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
     monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
     target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
-    spec = EvalSpec(code_range=(140, 240), summary_range=(120, 400), buckets={"s": (60, 120)}, per_task=3, per_bucket=1)
-    tok = CharTokenizer()
-    sets = build_eval_sets.build_eval_sets(fake_documents("code", 6, 20), fake_documents("doc", 4, 12), tok, spec)
-    build_eval_sets.write_eval_sets(tmp_path / "eval", sets, tok, spec, "char")
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=3)
     out = tmp_path / "results.json"
     args = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,auto"]
     args += ["--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "6"]
@@ -424,6 +442,23 @@ def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     assert all(r["policy"]["candidates"].keys() == {"ar", "pld"} for r in runs if r["mode"] == "auto")
     rows = json.loads(out.read_text())["summary"]["by_task"]
     assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
+
+
+def test_ignore_eos_makes_every_run_full_length(tmp_path):
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config(eos_token_ids=tuple(range(128))))  # all EOS
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=2)
+    out = tmp_path / "results.json"
+    args = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,pld"]
+    args += ["--tasks", "code_completion", "--temperatures", "1", "--max-new-tokens", "6", "--batch-sizes", "2"]
+    args += ["--json-out", str(out)]
+    assert benchmark.main(args) == 0
+    assert all(r["new_tokens"] < 12 for r in json.loads(out.read_text())["runs"])  # every token ends a sequence
+    assert benchmark.main([*args, "--ignore-eos"]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["ignore_eos"] is True
+    assert [r["new_tokens"] for r in report["runs"]] == [12, 12]
 
 
 def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
