@@ -5,17 +5,19 @@ compiled decode loop. The policy picks on the device, and a candidate's rounds r
 an inner loop until the pick changes (decode_loop.decode), so the loop branches once per switch,
 not once per round, and the host never steps in:
     "ar"      the root alone: a plain target step;
-    "pld"     a prompt-lookup chain (free to propose, strong on text that repeats its context);
+    "pld N"   a prompt-lookup chain of N tokens (free to propose, strong on text that repeats its
+              context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
 trees; at T > 0 the target's distribution is wide and a round accepts less, so trees are wider near
 the root and shallower; large batches get smaller trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
-candidates of one draft share it. After every round each source is brought up to date: the one that
-proposed through `accept`, the others through `skip` then `accept` (the draft writes the tokens it did
-not see into its ring from their embeddings alone, which is what it would have written itself),
-except that the draft sits out a run of AR rounds and catches up once after it (`catch_up`).
+candidates of one draft (or the prompt-lookup chains) share it. After every round each source is
+brought up to date: the one that proposed through `accept`, the others through `skip` then `accept`
+(the draft writes the tokens it did not see into its ring from their embeddings alone, which is what
+it would have written itself), except that the draft sits out a run of AR rounds and catches up once
+after it (`catch_up`).
 
 Every candidate's round is exact (greedy: AR's tokens; sampling: AR's distribution), so switching at
 any round keeps the output exact; the policy only decides speed.
@@ -31,6 +33,7 @@ from flax import nnx, struct
 
 from longspec_jax.policy import PolicyState, init_policy
 from longspec_jax.proposers import (
+    PLD_DEFAULT_TOKENS,
     BlockDraft,
     DraftProposer,
     NoProposal,
@@ -44,7 +47,7 @@ LARGE_BATCH = 4  # from this many sequences on, smaller trees
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """name: "ar", "pld" or "tree w1,w2,..."; source: the index of the proposer whose state it
+    """name: "ar", "pld N" or "tree w1,w2,..."; source: the index of the proposer whose state it
     proposes from; proposer: the proposer that builds its tree."""
 
     name: str
@@ -106,18 +109,24 @@ class Adaptive:
 
 
 def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, widths) of the candidates for a request: always AR and a PLD chain; a draft tree when
-    there is a draft: the deep default for greedy decoding at small batch, a wide and shallow one at
-    T > 0, small ones for large batches. Each candidate is one more branch to compile, so few."""
-    pld = (1,) * (10 if greedy else 5)
-    plan = [("ar", ()), ("pld", pld)]
+    """(name, widths) of the candidates for a request: always AR and a prompt-lookup chain, a draft
+    tree when there is a draft. At batch 1 greedy decoding affords a deep tree and a long chain; at
+    T > 0 the target's distribution is wide and a round keeps less, so the tree is wide and shallow
+    and the chain short. From LARGE_BATCH sequences on, the smallest: a one-token chain and a
+    two-node tree. Measured on the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at
+    1.05-1.69x AR (a one-token chain's round costs what an AR step does, the tree's 1.1-1.2 AR
+    steps, and each keeps 1.5-1.9 tokens), ahead of an adaptive set that also held a long chain and
+    a (4, 8, 8) tree (0.84-1.49x): at batch 8 those keep little more and cost far more, and every
+    switch between candidates costs the loop time of its own. Each candidate is one more branch to
+    compile, so few."""
+    if batch >= LARGE_BATCH:
+        chains, trees = (1,), [(2,)]
+    elif greedy:
+        chains, trees = (PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS]
+    else:
+        chains, trees = (2,), [(8, 8, 8)]
+    plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
-        if batch >= LARGE_BATCH:
-            trees = [(4, 8, 8)] if greedy else [(4, 4)]
-        elif greedy:
-            trees = [DEFAULT_WIDTHS]
-        else:
-            trees = [(8, 8, 8)]
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]
     return tuple(plan)
 
@@ -129,11 +138,11 @@ def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
     sources: list = [NoProposal()]
     params: list = [()]
     candidates = [Candidate("ar", 0, sources[0])]
-    pld = [w for name, w in plan if name == "pld"]
-    if pld:
-        sources.append(PromptLookup(pld[0]))
+    chains = [(name, w) for name, w in plan if name.startswith("pld")]
+    if chains:
+        sources.append(PromptLookup(max((w for _, w in chains), key=len)))  # its history serves every chain
         params.append(())
-        candidates.append(Candidate("pld", len(sources) - 1, sources[-1]))
+        candidates += [Candidate(name, len(sources) - 1, PromptLookup(w)) for name, w in chains]
     if trees:
         check_draft(draft, target.config)
         graphdef, draft_params = nnx.split(draft.block)

@@ -120,7 +120,7 @@ def accept_and_commit(
     update_proposal=None,
 ) -> LoopState:
     """Steps 3 and 4 of a round, from the verified tree (cache, block: what verify returned).
-    update_proposal(emitted, n_keep, positions, ends) -> the proposer state after the round
+    update_proposal(emitted, n_keep, positions) -> the proposer state after the round
     (default: the loop's proposer accepts `proposal`)."""
     depth = tree.depth
     picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
@@ -142,7 +142,7 @@ def accept_and_commit(
     if update_proposal is None:
         proposal = config.proposer.accept(proposal, acc.emitted, n_keep, positions)
     else:
-        proposal = update_proposal(acc.emitted, n_keep, positions, ends)
+        proposal = update_proposal(acc.emitted, n_keep, positions)
     return state.replace(
         cache=cache,
         proposal=proposal,
@@ -175,7 +175,7 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         for j, src in enumerate(adaptive.sources)
     ]
 
-    def update(emitted, n_keep, positions, ends):
+    def update(emitted, n_keep, positions):
         accepted = tuple(
             s if wait else src.accept(s, emitted, n_keep, positions)
             for src, s, wait in zip(adaptive.sources, current, waits)
@@ -183,7 +183,7 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         kept, active = n_keep.sum(), (~state.done).sum()
         policy = state.proposal.policy  # AR rounds are recorded together (decode)
         if k != AR:
-            progress = batch_progress(state.n_new, n_keep, ~state.done, ends)
+            progress = batch_progress(state.n_new, n_keep, ~state.done)
             policy = record(policy, jnp.int32(k), kept, active, progress)
         return state.proposal.replace(sources=accepted, policy=policy)
 

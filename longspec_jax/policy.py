@@ -183,29 +183,28 @@ def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active) -> Policy
     )
 
 
-def batch_progress(n_new: jax.Array, n_keep: jax.Array, running: jax.Array, ends: jax.Array) -> jax.Array:
-    """int32[]: how far a round brought the end of the batch: the rise of the fewest tokens any
-    sequence still running after it holds (n_new int32[B] before the round, n_keep int32[B] what
-    each kept, running bool[B] not done before it, ends bool[B] done by it). A batch is done only
-    when its last sequence is, so this, not the mean, is what a round is worth: a round that gives
-    three sequences five tokens and the one furthest behind one brings the end one token nearer.
-    It is never below the fewest any of them kept (the old sequence furthest behind kept at least
-    that), and a sequence that falls behind only by chance in one round is not held against the
-    candidate in the next, when another is furthest behind. When the round ends every running
-    sequence: the fewest any of them kept."""
+def batch_progress(n_new: jax.Array, n_keep: jax.Array, running: jax.Array) -> jax.Array:
+    """float32[]: what a round is worth to the batch: the mean tokens kept by the running sequences
+    furthest behind (n_new int32[B] before the round, n_keep int32[B] what each kept, running
+    bool[B] not done before it). A batch is done only when its last sequence is, so a candidate
+    that gives three sequences five tokens a round and the fourth one brings the end one token
+    nearer a round: that fourth sequence falls behind and from then on is what the round is
+    judged by. Where acceptance is luck alike for every sequence, which one is behind says nothing
+    about what it keeps next, so this is the mean a sequence keeps: unbiased even when every
+    sequence holds as many tokens as the others (at the start, after AR rounds), where the rise of
+    the fewest tokens any holds would be the fewest kept (about 1 a round at batch 8 for any
+    candidate). Never below the fewest kept; 0 when no sequence runs."""
     big = jnp.iinfo(jnp.int32).max
-    stays = running & ~ends
-    before = jnp.min(jnp.where(stays, n_new, big))
-    after = jnp.min(jnp.where(stays, n_new + n_keep, big))
-    fewest = jnp.min(jnp.where(running, n_keep, big))
-    return jnp.where(jnp.any(stays), after - before, jnp.where(jnp.any(running), fewest, 0)).astype(jnp.int32)
+    behind = running & (n_new == jnp.min(jnp.where(running, n_new, big)))
+    count = jnp.sum(behind)
+    return (jnp.sum(jnp.where(behind, n_keep, 0)) / jnp.maximum(count, 1)).astype(jnp.float32)
 
 
 def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, progress=None) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
-    in total (int32[]): update its estimate and the retry clocks. progress (int32[], optional): what
-    the round brought the end of the batch nearer (`batch_progress`); when given, the estimate
-    follows it instead of the mean tokens a sequence kept."""
+    in total (int32[]): update its estimate and the retry clocks. progress (float32[], optional):
+    what the round is worth to the batch (`batch_progress`); when given, the estimate follows it
+    instead of the mean tokens a sequence kept."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)

@@ -14,7 +14,7 @@ from flax import nnx
 from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
-from longspec_jax.adaptive import Adaptive, Candidate, candidate_plan
+from longspec_jax.adaptive import Adaptive, Candidate, adaptive_proposer, candidate_plan
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
@@ -75,7 +75,7 @@ def rounds_of(result):
 
 
 def test_plans_fit_sampling_and_batch():
-    assert [n for n, _ in candidate_plan(False, True, 1)] == ["ar", "pld"]
+    assert [n for n, _ in candidate_plan(False, True, 1)] == ["ar", "pld 10"]
     greedy = dict(candidate_plan(True, True, 1))
     sampled = dict(candidate_plan(True, False, 1))
     batched = dict(candidate_plan(True, True, 8))
@@ -83,10 +83,15 @@ def test_plans_fit_sampling_and_batch():
     assert len(tree(greedy)) > len(tree(sampled))  # greedy affords depth
     assert tree(sampled)[0] >= tree(greedy)[0]  # sampling spends the budget near the root
     assert sum(tree(batched)) < sum(tree(greedy))  # large batches get smaller trees
+    # ... down to the smallest: a one-token chain and a two-node tree.
+    assert batched == {"ar": (), "pld 1": (1,), "tree 2": (2,)} == dict(candidate_plan(True, False, 4))
+    assert len(sampled["pld 2"]) < len(greedy["pld 10"])  # a short chain where a round keeps little
 
 
 def test_random_draft_falls_back_to_ar_and_stays_exact(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 1.2, "tree 4,16,16,16,16": 2.0}))
+    monkeypatch.setattr(
+        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, "tree 4,16,16,16,16": 2.0})
+    )
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=48, eos_token_ids=())
     auto = generate(target, prompt, draft=draft, max_new_tokens=48, eos_token_ids=())
@@ -130,6 +135,24 @@ def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, 
     assert all(r > 0 for r in rounds_of(auto).values())
 
 
+def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(target, draft, monkeypatch):
+    # Two prompt-lookup chains share one history, two trees of other depths one draft state: a
+    # batch of 4 switching among all of them every round or two keeps AR's greedy tokens.
+    plan = (("ar", ()), ("pld 1", (1,)), ("pld 6", (1,) * 6), ("tree 2", (2,)), ("tree 3,4,4", (3, 4, 4)))
+    adaptive = adaptive_proposer(target, draft, plan)
+    assert len(adaptive[0].sources) == 3  # AR's, one prompt lookup, one draft
+    monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([3, 1, 4, 2, 0, 3, 2, 1, 4, 0, 4]))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (25, 9, 17, 30)]
+    ar = generate(target, prompts, mode="ar", max_new_tokens=40, eos_token_ids=())
+    generator = Generator(target, draft)
+    generator.proposer_for_request = lambda request, batch: adaptive
+    auto = generator.generate(prompts, max_new_tokens=40, eos_token_ids=())
+    assert auto.tokens == ar.tokens
+    assert rounds_of(auto).keys() == dict(plan).keys()
+    assert all(r > 0 for r in rounds_of(auto).values()), rounds_of(auto)
+
+
 def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):
     calls = []
     real = calibration.measure_rounds
@@ -152,8 +175,8 @@ def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path)
 @pytest.mark.slow
 def test_sampling_that_switches_candidates_matches_the_target_distribution(monkeypatch, tmp_path):
     # Round 1 by prompt lookup, round 2 by AR, round 3 by the draft tree: the first three tokens of a
-    # sequence come from whichever rounds its acceptances reached. (A first tree round would decide
-    # them all: its 4 root children cover this 4-token vocabulary.)
+    # sequence come from whichever rounds its acceptances reached. (A batch this large gets the
+    # smallest candidates: a one-token chain and a two-node tree.)
     monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([1, 0, 2]))
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))
@@ -162,7 +185,7 @@ def test_sampling_that_switches_candidates_matches_the_target_distribution(monke
         target, [prompt] * SAMPLES, draft=draft, max_new_tokens=3, temperature=1.0, seed=11, eos_token_ids=()
     )
     rounds = rounds_of(result)
-    assert rounds["pld"] == rounds["ar"] == 1, rounds  # a switch inside the three tokens
+    assert rounds["pld 1"] == rounds["ar"] == 1, rounds  # a switch inside the three tokens
     expected = exact_first_three(target, prompt, SamplingParams.create(temperature=1.0)).reshape(-1) * SAMPLES
     tokens = np.asarray(result.tokens)
     observed = np.bincount(
@@ -235,7 +258,7 @@ def test_with_memory_sets_only_untried_remembered_candidates():
 
 
 def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, draft, monkeypatch):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
     generator = Generator(target, draft)
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=40, eos_token_ids=())
@@ -243,10 +266,10 @@ def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, dr
     second = generator.generate(prompt, max_new_tokens=40, eos_token_ids=())
     assert first.tokens == second.tokens == ar.tokens
     assert first.stats.policy["remembered"] == []
-    assert second.stats.policy["remembered"] == ["pld", TREE]
+    assert second.stats.policy["remembered"] == ["pld 10", TREE]
     before, after = rounds_of(first), rounds_of(second)
-    assert before[TREE] >= 1 and before["pld"] >= 1  # tried at the start of the first request
-    assert after[TREE] < before[TREE] and after["pld"] < before["pld"], (before, after)
+    assert before[TREE] >= 1 and before["pld 10"] >= 1  # tried at the start of the first request
+    assert after[TREE] < before[TREE] and after["pld 10"] < before["pld 10"], (before, after)
     assert after["ar"] > before["ar"]
 
 
@@ -272,27 +295,27 @@ def test_a_remembered_winner_runs_from_the_first_round(target, monkeypatch):
 
 
 def test_memory_is_kept_on_disk_and_keyed_by_the_sampling(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     files = list((tmp_path / "acceptance").glob("*.json"))
     assert len(files) == 1
     entries = json.loads(files[0].read_text())["candidates"]
-    assert set(entries) == {"pld", TREE} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
+    assert set(entries) == {"pld 10", TREE} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
     acceptance_memory.forget_memory()  # what a new process starts with
     again = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
-    assert again.stats.policy["remembered"] == ["pld", TREE]
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 3.0, "tree 8,8,8": 3.0}))
+    assert again.stats.policy["remembered"] == ["pld 10", TREE]
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 3.0, "tree 8,8,8": 3.0}))
     sampled = generate(target, prompt, draft=draft, max_new_tokens=24, temperature=0.7, eos_token_ids=())
     assert sampled.stats.policy["remembered"] == []  # another kind of request
 
 
 def test_a_damaged_memory_file_is_ignored(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     first = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     (path,) = (tmp_path / "acceptance").glob("*.json")
-    path.write_text('{"candidates": {"pld": {"tokens_per_round": "many"}, "tree": 3}}')
+    path.write_text('{"candidates": {"pld 10": {"tokens_per_round": "many"}, "tree": 3}}')
     acceptance_memory.forget_memory()
     again = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     assert again.stats.policy["remembered"] == [] and again.tokens == first.tokens

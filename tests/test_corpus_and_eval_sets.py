@@ -439,7 +439,7 @@ def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     batched = [r for r in runs if r["batch"] == 2]
     assert {r["mode"] for r in batched} == {"ar", "auto"} and len(batched) == 2  # 3 prompts: one whole batch
     assert all(r["matches_ar"] for r in runs if r["mode"] == "auto")
-    assert all(r["policy"]["candidates"].keys() == {"ar", "pld"} for r in runs if r["mode"] == "auto")
+    assert all(r["policy"]["candidates"].keys() == {"ar", "pld 10"} for r in runs if r["mode"] == "auto")
     rows = json.loads(out.read_text())["summary"]["by_task"]
     assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
 
