@@ -3,14 +3,15 @@
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
         [--modes ar,pld,longspec,auto,longspec:8-8-8,pld:1] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
         [--tasks code_completion,summarisation,prefill_length] [--tree-widths 4,16,16,16,16]
-        [--json-out F] [--runs-out F [--resume]] [--profile] [--ignore-eos]
+        [--json-out F] [--runs-out F [--resume]] [--profile] [--ignore-eos] [--repeats N]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
 Every prompt runs every mode at every temperature in this one process; with --batch-sizes 1,4,8
 also as batches of consecutive prompts of a task (a batch is one run; a remainder shorter than the
 batch is left out). Mode "auto" is the adaptive engine (AR, prompt lookup and the draft's trees,
 chosen each round); its round costs are calibrated during the warm-up. Compilation is
-timed apart from prefill and decode (stats.compile_s), and the first run of a (mode, cache size,
+timed apart from prefill and decode (stats.compile_s); with --repeats N each run is made N times and
+the one of median decode time kept (all N times are recorded), and the first run of a (mode, cache size,
 temperature, batch) is a warm-up that is not counted (for "auto", as many as it takes to time every
 candidate, WARM_UP_REQUESTS at most), so timings hold neither compilation nor first-run costs.
 tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the same
@@ -106,6 +107,7 @@ def run_benchmark(
     done: tuple[dict, ...] = (),
     batch_sizes=(1,),
     ignore_eos: bool = False,
+    repeats: int = 1,
 ) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
@@ -169,7 +171,10 @@ def run_benchmark(
                     if shape not in warmed:
                         _warm_up(generator, item["prompt_ids"], kwargs)
                         warmed.add(shape)
-                    result = generator.generate(item["prompt_ids"], profile=profile, **kwargs)
+                    results = [
+                        generator.generate(item["prompt_ids"], profile=profile, **kwargs) for _ in range(repeats)
+                    ]
+                    result = sorted(results, key=lambda r: r.stats.decode_s)[(repeats - 1) // 2]  # the median
                 except UserError as e:
                     skipped[mode] = str(e)
                     del generators[mode]
@@ -191,6 +196,7 @@ def run_benchmark(
                     "new_tokens": stats.new_tokens,
                     "prefill_s": stats.prefill_s,
                     "decode_s": stats.decode_s,
+                    "decode_s_repeats": [r.stats.decode_s for r in results],
                     "tokens_per_s": stats.tokens_per_s,
                     "tau": stats.tau,
                     "rounds": stats.rounds,
@@ -377,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,16)")
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each run this many times and keep the one of median decode time (noisy machines)",
+    )
+    p.add_argument(
         "--ignore-eos",
         action="store_true",
         help="make every run --max-new-tokens long (sampled batches then do equal work in every mode)",
@@ -409,6 +421,8 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     if args.resume and not args.runs_out:
         raise UserError("--resume continues the runs in --runs-out: pass --runs-out FILE too")
     from infer.generate import parse_tree_widths
@@ -455,6 +469,7 @@ def run(args: argparse.Namespace) -> dict:
             done=tuple(done),
             batch_sizes=_csv(args.batch_sizes, int, "--batch-sizes"),
             ignore_eos=args.ignore_eos,
+            repeats=args.repeats,
         )
     finally:
         if runs_out is not None:
@@ -474,6 +489,7 @@ def run(args: argparse.Namespace) -> dict:
             "tree_widths": tree_widths,
             "max_new_tokens": args.max_new_tokens,
             "ignore_eos": args.ignore_eos,
+            "repeats": args.repeats,
             "limit": args.limit,
             "seed": args.seed,
             "attn_impl": args.attn_impl or attention.default_impl(),

@@ -444,7 +444,7 @@ def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
 
 
-def test_ignore_eos_makes_every_run_full_length(tmp_path):
+def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_path):
     from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
     target = save_tiny_checkpoint(tmp_path / "target", tiny_config(eos_token_ids=tuple(range(128))))  # all EOS
@@ -455,10 +455,13 @@ def test_ignore_eos_makes_every_run_full_length(tmp_path):
     args += ["--json-out", str(out)]
     assert benchmark.main(args) == 0
     assert all(r["new_tokens"] < 12 for r in json.loads(out.read_text())["runs"])  # every token ends a sequence
-    assert benchmark.main([*args, "--ignore-eos"]) == 0
+    assert benchmark.main([*args, "--ignore-eos", "--repeats", "3"]) == 0
     report = json.loads(out.read_text())
     assert report["config"]["ignore_eos"] is True
     assert [r["new_tokens"] for r in report["runs"]] == [12, 12]
+    for r in report["runs"]:  # each timed three times, the median kept
+        assert len(r["decode_s_repeats"]) == 3 and r["decode_s"] == sorted(r["decode_s_repeats"])[1]
+    assert benchmark.main([*args, "--repeats", "0"]) == 2
 
 
 def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
