@@ -158,28 +158,36 @@ def run_benchmark(
             )
             continue
         for temperature in temperatures:
-            for mode, generator in list(generators.items()):
-                if (item["id"], mode, temperature) in finished:
-                    continue
-                kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-                if ignore_eos:
-                    kwargs["eos_token_ids"] = ()
+            kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+            if ignore_eos:
+                kwargs["eos_token_ids"] = ()
+            # Greedy and sampling may be different programs: warm each up once per cache size (the
+            # decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
+            shape = (plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature, item["batch"])
+            timed: dict[str, list] = {m: [] for m in generators if (item["id"], m, temperature) not in finished}
+            failed: dict[str, UserError] = {}  # a mode that raises one is skipped from here on
+            for mode in list(timed):
                 try:
-                    # Greedy and sampling may be different programs: warm each up once per cache size
-                    # (the decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
-                    shape = (mode, plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature, item["batch"])
-                    if shape not in warmed:
-                        _warm_up(generator, item["prompt_ids"], kwargs)
-                        warmed.add(shape)
-                    results = [
-                        generator.generate(item["prompt_ids"], profile=profile, **kwargs) for _ in range(repeats)
-                    ]
-                    result = sorted(results, key=lambda r: r.stats.decode_s)[(repeats - 1) // 2]  # the median
+                    if (mode, *shape) not in warmed:
+                        _warm_up(generators[mode], item["prompt_ids"], kwargs)
+                        warmed.add((mode, *shape))
                 except UserError as e:
-                    skipped[mode] = str(e)
-                    del generators[mode]
-                    log(f"skipping mode {mode}: {e}")
-                    continue
+                    failed[mode] = e
+                    del timed[mode]
+            # The repeats go round the modes, so a machine's slow minutes fall on every mode alike.
+            for _ in range(repeats):
+                for mode in list(timed):
+                    try:
+                        timed[mode].append(generators[mode].generate(item["prompt_ids"], profile=profile, **kwargs))
+                    except UserError as e:
+                        failed[mode] = e
+                        del timed[mode]
+            for mode, e in failed.items():
+                skipped[mode] = str(e)
+                del generators[mode]
+                log(f"skipping mode {mode}: {e}")
+            for mode, results in timed.items():
+                result = sorted(results, key=lambda r: r.stats.decode_s)[(repeats - 1) // 2]  # the median
                 tokens, stats = (result.tokens[0] if item["batch"] == 1 else result.tokens), result.stats
                 digest = _tokens_digest(tokens)
                 if mode == "ar":

@@ -444,7 +444,8 @@ def test_benchmark_runs_batches_and_the_adaptive_mode(tmp_path, monkeypatch):
     assert {(g["batch"], g["mode"]) for g in rows} == {(1, "ar"), (1, "auto"), (2, "ar"), (2, "auto")}
 
 
-def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_path):
+def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_path, monkeypatch):
+    from longspec_jax.generation import Generator
     from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
     target = save_tiny_checkpoint(tmp_path / "target", tiny_config(eos_token_ids=tuple(range(128))))  # all EOS
@@ -455,7 +456,13 @@ def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_
     args += ["--json-out", str(out)]
     assert benchmark.main(args) == 0
     assert all(r["new_tokens"] < 12 for r in json.loads(out.read_text())["runs"])  # every token ends a sequence
+    calls = []
+    real_generate = Generator.generate
+    monkeypatch.setattr(
+        Generator, "generate", lambda self, *a, **k: calls.append(self.mode) or real_generate(self, *a, **k)
+    )
     assert benchmark.main([*args, "--ignore-eos", "--repeats", "3"]) == 0
+    assert calls[-6:] == ["ar", "pld"] * 3  # the repeats go round the modes
     report = json.loads(out.read_text())
     assert report["config"]["ignore_eos"] is True
     assert [r["new_tokens"] for r in report["runs"]] == [12, 12]
