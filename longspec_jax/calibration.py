@@ -159,11 +159,18 @@ def with_round_costs(state, seconds):
 
 def policy_stats(proposer, policy, source, remembered=()) -> dict:
     """What the policy did in a request, per candidate: rounds run, mean tokens kept per sequence
-    and round, and the calibrated milliseconds per round (with where they came from); and the
-    candidates that started from what earlier requests kept (acceptance_memory.py)."""
+    and round, and the calibrated milliseconds per round (with where they came from); the runs of
+    one candidate's rounds in a row (a switch starts one; so does each call of the loop, the
+    calibration's included); and the candidates that started from what earlier requests kept
+    (acceptance_memory.py)."""
     if policy is None:
         return {}
-    stats = {"calibration": source, "remembered": list(remembered), "candidates": {}}
+    stats = {
+        "calibration": source,
+        "remembered": list(remembered),
+        "candidate_runs": int(policy.candidate_runs),
+        "candidates": {},
+    }
     for i, name in enumerate(proposer.names):
         rounds, active = int(policy.rounds[i]), int(policy.active[i])
         stats["candidates"][name] = {

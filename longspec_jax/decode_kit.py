@@ -42,10 +42,10 @@ class GenerationStats:
     sequences together; the first token of each comes out of prefill). tau = mean tokens emitted
     per target forward after prefill (1 for AR); rounds = target forwards after prefill. policy
     (mode "auto"): per candidate the rounds it ran, its mean tokens kept per round and its
-    calibrated round time, and where the calibration came from (adaptive.py). runs: each host
-    call of the device loop in order, {"what": "loop", "rounds", "ms"} (the host's read of the
-    state included), and with profile=True first {"what": "start"}: the first state, with any
-    calibration rounds (timing it apart costs a wait)."""
+    calibrated round time, where the calibration came from, and the runs of one candidate's rounds
+    in a row (adaptive.py). runs: each host call of the device loop in order, {"what": "loop",
+    "rounds", "ms"} (the host's read of the state included), and with profile=True first
+    {"what": "start"}: the first state, with any calibration rounds (timing it apart costs a wait)."""
 
     prefill_s: float
     decode_s: float
@@ -73,7 +73,7 @@ class GenerationStats:
             text += f" | compile {self.compile_s:.1f} s"
         if self.policy:
             used = [(n, c["rounds"]) for n, c in self.policy["candidates"].items() if c["rounds"]]
-            text += " | rounds " + ", ".join(f"{n} {r}" for n, r in used)
+            text += " | rounds " + ", ".join(f"{n} {r}" for n, r in used) + f" in {self.policy['candidate_runs']} runs"
         return text
 
     def to_dict(self) -> dict[str, Any]:

@@ -301,4 +301,10 @@ def decode(
         return ran.replace(proposal=ran.proposal.replace(sources=sources, policy=policy))
 
     branches = [ar_rounds if k == AR else rounds_of(k) for k in range(len(config.proposer.candidates))]
-    return jax.lax.while_loop(more, lambda s: jax.lax.switch(pick(s), branches, s), state)
+
+    def one_run(s):  # the rounds of one candidate until the pick changes; counted for the stats
+        s = jax.lax.switch(pick(s), branches, s)
+        policy = s.proposal.policy
+        return s.replace(proposal=s.proposal.replace(policy=policy.replace(candidate_runs=policy.candidate_runs + 1)))
+
+    return jax.lax.while_loop(more, one_run, state)

@@ -43,7 +43,8 @@ class PolicyState:
     """Per-candidate arrays float32/int32[K] (K static): seconds_per_round from the calibration;
     tokens_per_round the running estimate (AR's stays 1); since_used rounds since it last ran;
     wait the rounds a non-best candidate waits before its next retry; rounds / emitted the
-    rounds each ran and the tokens they kept (summed over the batch), for the stats."""
+    rounds each ran and the tokens they kept (summed over the batch), and candidate_runs
+    (int32[]) the runs of one candidate's rounds the loop made (decode_loop.decode), for the stats."""
 
     seconds_per_round: jax.Array
     tokens_per_round: jax.Array
@@ -53,6 +54,7 @@ class PolicyState:
     rounds: jax.Array
     emitted: jax.Array
     active: jax.Array
+    candidate_runs: jax.Array
 
 
 def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None) -> PolicyState:
@@ -75,6 +77,7 @@ def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None)
         rounds=zeros,
         emitted=zeros,
         active=zeros,
+        candidate_runs=jnp.zeros((), jnp.int32),
     )
 
 

@@ -123,6 +123,7 @@ def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
     rounds = rounds_of(result)
     assert rounds[name] >= 0.9 * sum(rounds.values()), rounds
     assert result.stats.policy["candidates"][name]["tokens_per_round"] > 2.5
+    assert result.stats.policy["candidate_runs"] <= 3 < sum(rounds.values())  # the tree's rounds run back to back
 
 
 def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, monkeypatch, tmp_path):
@@ -133,6 +134,7 @@ def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, 
     auto = Generator(target, draft).generate(prompts, max_new_tokens=40, eos_token_ids=())
     assert auto.tokens == ar.tokens
     assert all(r > 0 for r in rounds_of(auto).values())
+    assert auto.stats.policy["candidate_runs"] >= 9  # each forced round was a run of its own
 
 
 def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(target, draft, monkeypatch):
