@@ -115,10 +115,9 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     and the chain short. From LARGE_BATCH sequences on, the smallest: a one-token chain and a
     two-node tree. Measured on the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at
     1.05-1.69x AR (a one-token chain's round costs what an AR step does, the tree's 1.1-1.2 AR
-    steps, and each keeps 1.5-1.9 tokens), ahead of an adaptive set that also held a long chain and
-    a (4, 8, 8) tree (0.84-1.49x): at batch 8 those keep little more and cost far more, and every
-    switch between candidates costs the loop time of its own. Each candidate is one more branch to
-    compile, so few."""
+    steps, and each keeps 1.5-1.9 tokens), ahead of an adaptive set that also held a 10-token chain
+    and a (4, 8, 8) tree (0.84-1.49x), whose mixed runs cost up to a third more than their
+    candidates' calibrated rounds. Each candidate is one more branch to compile, so few."""
     if batch >= LARGE_BATCH:
         chains, trees = (1,), [(2,)]
     elif greedy:
