@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
+from infer.generate import parse_tree_widths
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft_io import init_draft
@@ -149,7 +150,7 @@ def main(argv=None) -> dict[str, int]:
             args.new_tokens,
             args.attn_impl,
             device,
-            widths=None if args.tree_widths is None else tuple(int(w) for w in args.tree_widths.split(",")),
+            widths=parse_tree_widths(args.tree_widths),
             batch=args.batch,
             small_rows=() if args.no_small_rows else SMALL_ROWS,
         )

@@ -70,6 +70,7 @@ def _tokens_digest(tokens: list[int]) -> str:
 def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     """(mode, its own tree widths or None) of a --modes entry: "ar", "auto", "pld", "longspec", or
     "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode)."""
+    from infer.generate import parse_widths
     from longspec_jax.generation import AUTO_MODE, MODES
 
     mode, _, widths = spec.partition(":")
@@ -80,11 +81,8 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
         )
     if not widths:
         return mode, None
-    try:
-        parsed = tuple(int(w) for w in widths.split("-"))
-    except ValueError:
-        parsed = ()
-    if not parsed or min(parsed) < 1:
+    parsed = parse_widths(widths, sep="-")
+    if parsed is None:
         raise UserError(f"the tree in --modes {spec!r} must be positive widths joined by '-', as in longspec:8-8-8")
     return mode, parsed
 
@@ -422,8 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     modes = _csv(args.modes, str, "--modes")
-    for spec in modes:
-        parse_mode_spec(spec)
+    mode_names = {parse_mode_spec(spec)[0] for spec in modes}  # a bad spec fails here, before loading
     temperatures = _csv(args.temperatures, float, "--temperatures")
     tasks = _csv(args.tasks, str, "--tasks")
     unknown = sorted(set(tasks) - set(TASKS))
@@ -437,9 +434,7 @@ def run(args: argparse.Namespace) -> dict:
 
     tree_widths = parse_tree_widths(args.tree_widths)
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
-    target, draft = load_models(
-        args.target, args.draft, args.dtype, bool({"longspec", "auto"} & {parse_mode_spec(m)[0] for m in modes})
-    )
+    target, draft = load_models(args.target, args.draft, args.dtype, bool({"longspec", "auto"} & mode_names))
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "

@@ -104,14 +104,20 @@ def read_prompt(path: Path) -> str:
     return text
 
 
+def parse_widths(text: str, sep: str = ",") -> tuple[int, ...] | None:
+    """Tree widths written as positive integers joined by `sep`, or None when `text` is not that."""
+    try:
+        widths = tuple(int(w) for w in text.split(sep))
+    except ValueError:
+        return None
+    return widths if widths and min(widths) >= 1 else None
+
+
 def parse_tree_widths(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
-    try:
-        widths = tuple(int(w) for w in text.split(","))
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
+    widths = parse_widths(text)
+    if widths is None:
         raise UserError(f"--tree-widths must be comma-separated positive integers such as 4,16,16,16,16, got {text!r}")
     return widths
 
