@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         "target, as for the embedded SmolLM2; else ar)",
     )
     p.add_argument(
-        "--tree-widths", help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; pld takes a chain such as 1,1,1,1)"
+        "--tree-widths",
+        help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; 1,1,1 is a chain the draft draws at "
+        "random, verified by speculative sampling; pld takes a chain such as 1,1,1,1)",
     )
     p.add_argument("--max-new-tokens", type=int_in_range(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

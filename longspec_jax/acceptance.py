@@ -12,6 +12,14 @@ whatever the draft proposed. (The reference code's rule, accepting a child with 
 min(1, p_target / p_draft), is only valid for candidates *sampled* from the draft; beam candidates
 are deterministic, which biases it.)
 
+A chain whose tokens *were* drawn from the draft (`Tree.drawn_from`: a draft chain, proposers.py)
+is verified by that rule instead, speculative sampling (`accept_drawn_chain`): a drawn token is kept
+with probability min(1, p(x) / q(x)), and where one is not, the bonus comes from the residual
+max(p - q, 0). Its tokens are also exactly target-distributed, and a token is kept with probability
+sum_x min(p(x), q(x)), where a deterministic candidate is kept with p(its token) alone: with the
+shipped SmolLM2 draft at T = 1 a round of one drawn token keeps 1.51 tokens on code where one of the
+draft's likeliest keeps 1.27 (BENCHMARKS.md).
+
 Outputs (D = tree depth, static):
   path:      int32[B, D+1]  flat node indices walked: the root, then each accepted node; 0 past the end.
   n_emitted: int32[B]       tokens emitted this round = accepted draft tokens + 1 (the bonus), which
@@ -70,6 +78,43 @@ def accept(tree: Tree, picks: jax.Array) -> Acceptance:
     # Emitted: the tokens of the walk's nodes below the root, then the bonus, then zeros.
     emitted = jnp.where(step < n_moves[:, None], jnp.roll(tokens, -1, axis=1), 0)
     emitted = jnp.where(step == n_moves[:, None], bonus[:, None], emitted)
+    return Acceptance(path=path, n_emitted=n_moves + 1, emitted=emitted, bonus=bonus)
+
+
+def accept_drawn_chain(tree: Tree, log_probs: jax.Array, key: jax.Array, greedy: jax.Array) -> Acceptance:
+    """Speculative sampling down a chain drawn from the draft (module doc). log_probs float32[B, D+1, V]:
+    the target's filtered log-probs at every node (`sampling.filtered_log_probs`: point masses when
+    greedy, which makes this greedy acceptance); key: used once a round; greedy bool[]: no noise.
+
+    Node d + 1's token x was drawn from q = softmax(tree.drawn_from[:, d]) (greedy: the point mass
+    on x); with p = the target's distribution at node d, it is kept with probability
+    min(1, p(x) / q(x)) while every token before it was. The bonus is drawn from max(p - q, 0) at
+    the parent of the first token not kept, or from p at the last node when all were. All uniforms
+    and bonus draws are made up front, one per node (those off the outcome are never used), so there
+    is no loop of dependent steps."""
+    depth = tree.depth
+    b, _ = tree.tokens.shape
+    chain = tree.tokens[:, 1:]  # [B, D]
+    vocab = log_probs.shape[-1]
+    point_mass = jnp.where(jax.nn.one_hot(chain, vocab, dtype=bool), 0.0, -jnp.inf)
+    q = jnp.where(greedy, point_mass, jax.nn.log_softmax(tree.drawn_from.astype(jnp.float32), axis=-1))  # [B, D, V]
+    p_of_x = jnp.take_along_axis(log_probs[:, :depth], chain[:, :, None], axis=-1)[..., 0]
+    q_of_x = jnp.take_along_axis(q, chain[:, :, None], axis=-1)[..., 0]
+    key_keep, key_bonus = jax.random.split(key)
+    # u < p / q, in logs; u = 0 keeps x only where p(x) > 0.
+    kept = jnp.log(jax.random.uniform(key_keep, (b, depth))) < p_of_x - q_of_x
+    n_moves = jnp.sum(jnp.cumprod(kept.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    residual = jnp.log(jnp.maximum(jnp.exp(log_probs[:, :depth]) - jnp.exp(q), 0.0))
+    # Rounding can leave no mass where p and q nearly agree: then p itself (never reached exactly).
+    residual = jnp.where(jnp.any(residual > -jnp.inf, axis=-1, keepdims=True), residual, log_probs[:, :depth])
+    bonus_from = jnp.concatenate([residual, log_probs[:, depth:]], axis=1)  # [B, D+1, V]
+    noise = jax.random.gumbel(key_bonus, bonus_from.shape, jnp.float32)
+    draws = jnp.argmax(bonus_from + jnp.where(greedy, 0.0, noise), axis=-1).astype(jnp.int32)  # [B, D+1]
+    bonus = jnp.take_along_axis(draws, n_moves[:, None], axis=1)[:, 0]
+    step = jnp.arange(depth + 1, dtype=jnp.int32)[None, :]
+    path = jnp.where(step <= n_moves[:, None], step, 0)
+    tokens = jnp.pad(chain.astype(jnp.int32), ((0, 0), (0, 1)))
+    emitted = jnp.where(step < n_moves[:, None], tokens, jnp.where(step == n_moves[:, None], bonus[:, None], 0))
     return Acceptance(path=path, n_emitted=n_moves + 1, emitted=emitted, bonus=bonus)
 
 

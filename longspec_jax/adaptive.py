@@ -9,8 +9,8 @@ not once per round, and the host never steps in:
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
-trees; at T > 0 the target's distribution is wide and a round accepts less, so trees are wider near
-the root and shallower; large batches get smaller trees. The choice each round is policy.py's.
+trees; at T > 0 the draft proposes a chain drawn from its distribution; large batches get smaller
+trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft (or the prompt-lookup chains) share it. After every round each source is
@@ -43,6 +43,7 @@ from longspec_jax.proposers import (
 from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
+DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0: one token drawn from it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,20 +111,23 @@ class Adaptive:
 
 def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, widths) of the candidates for a request: always AR and a prompt-lookup chain, a draft
-    tree when there is a draft. At batch 1 greedy decoding affords a deep tree and a long chain; at
-    T > 0 the target's distribution is wide and a round keeps less, so the tree is wide and shallow
-    and the chain short. From LARGE_BATCH sequences on, the smallest: a one-token chain and a
-    two-node tree. Measured on the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at
-    1.05-1.69x AR (a one-token chain's round costs what an AR step does, the tree's 1.1-1.2 AR
-    steps, and each keeps 1.5-1.9 tokens), ahead of an adaptive set that also held a 10-token chain
-    and a (4, 8, 8) tree (0.84-1.49x), whose mixed runs cost up to a third more than their
-    candidates' calibrated rounds. Each candidate is one more branch to compile, so few."""
-    if batch >= LARGE_BATCH:
-        chains, trees = (1,), [(2,)]
-    elif greedy:
-        chains, trees = (PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS]
+    tree when there is a draft. At batch 1 greedy decoding affords a deep tree and a long chain.
+    From LARGE_BATCH sequences on, the smallest: a one-token chain and a two-node tree. Measured on
+    the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at 1.05-1.69x AR (a one-token
+    chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
+    tokens), ahead of an adaptive set that also held a 10-token chain and a (4, 8, 8) tree
+    (0.84-1.49x), whose mixed runs cost up to a third more than their candidates' calibrated rounds.
+    At T > 0 the draft's candidate is one token it draws at random, verified by speculative sampling
+    (proposers.py): at T = 1 (CPU-measured, SmolLM2 and its draft) it keeps 1.51 / 1.35 tokens a
+    round (code / summaries) where the draft's likeliest token kept 1.27 / 1.19 and the two
+    likeliest (a (2) tree, one more row) 1.35 / 1.30, and its round verifies two rows, the cheapest
+    a draft round gets; longer drawn chains keep more (1.8 at three tokens) but cost more than that
+    buys at these rates (BENCHMARKS.md). The prompt-lookup chain is short. Each candidate is one
+    more branch to compile, so few."""
+    if greedy:
+        chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:
-        chains, trees = (2,), [(8, 8, 8)]
+        chains, trees = ((1,) if batch >= LARGE_BATCH else (2,)), [DRAWN_CHAIN]
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]

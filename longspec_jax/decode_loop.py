@@ -10,7 +10,8 @@ A round, for every sequence of the batch at once (docs/ALGORITHM.md 5):
      writes its row there: AR decoding);
   3. accept: the target's pick at every node (`sampling.pick_token`: argmax when greedy, an exact
      sample otherwise; one program for both), then the walk down the tree (acceptance.py), cut at
-     the first EOS / at max_new_tokens;
+     the first EOS / at max_new_tokens; a chain drawn from the draft is verified by speculative
+     sampling instead (`acceptance.accept_drawn_chain`);
   4. commit: the K/V of the root and the kept nodes are written in path order at the cache end,
      from the verified nodes' K/V wherever verify left them (model.commit); the last kept token is
      the next root;
@@ -31,13 +32,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from longspec_jax.acceptance import Acceptance, accept
+from longspec_jax.acceptance import Acceptance, accept, accept_drawn_chain
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import BlockKV, KVCache, Transformer, commit
 from longspec_jax.policy import AR, ar_rounds_before_a_retry, batch_progress, choose, record, record_ar_rounds
 from longspec_jax.proposers import write_rows
-from longspec_jax.sampling import SamplingParams, pick_token
+from longspec_jax.sampling import SamplingParams, filtered_log_probs, pick_token
 from longspec_jax.tree import Tree, node_depths
 
 
@@ -80,9 +81,28 @@ class LoopState:
 # ----------------------------------------------------------------------------- one round
 
 
-def propose(config: LoopConfig, proposer_params, model: Transformer, state: LoopState):
+def round_key(state: LoopState) -> jax.Array:
+    """This round's randomness: the target's picks (or a drawn chain's acceptance) use it, a
+    proposer that draws uses `propose_key`."""
+    return jax.random.fold_in(state.key, state.rounds + 1)
+
+
+def propose_key(state: LoopState) -> jax.Array:
+    return jax.random.fold_in(round_key(state), 1)
+
+
+def propose(config: LoopConfig, proposer_params, model: Transformer, state: LoopState, sampling: SamplingParams):
     """-> (tree, proposer state)."""
-    return config.proposer.propose(proposer_params, model, state.proposal, state.roots, state.cache, config.attn_impl)
+    return config.proposer.propose(
+        proposer_params,
+        model,
+        state.proposal,
+        state.roots,
+        state.cache,
+        config.attn_impl,
+        sampling,
+        propose_key(state),
+    )
 
 
 def verify(config: LoopConfig, model: Transformer, tree: Tree, cache: KVCache):
@@ -123,8 +143,10 @@ def accept_and_commit(
     update_proposal(emitted, n_keep, positions) -> the proposer state after the round
     (default: the loop's proposer accepts `proposal`)."""
     depth = tree.depth
-    picks = pick_token(jax.random.fold_in(state.key, state.rounds + 1), logits, sampling)  # [B, N]
-    acc = accept(tree, picks)
+    if tree.drawn_from is None:
+        acc = accept(tree, pick_token(round_key(state), logits, sampling))  # a pick at every node
+    else:
+        acc = accept_drawn_chain(tree, filtered_log_probs(logits, sampling), round_key(state), sampling.greedy)
     n_keep, ends = _keep(acc, state, depth)
     # The root and the nodes of all kept tokens but the last (the next root) join the cache. A
     # root-only tree (AR) had verify write its row at the cache end: keeping it takes no write.
@@ -162,7 +184,14 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
     candidate = adaptive.candidates[k]
     sources = state.proposal.sources
     tree, mine = candidate.proposer.propose(
-        proposer_params[candidate.source], model, sources[candidate.source], state.roots, state.cache, config.attn_impl
+        proposer_params[candidate.source],
+        model,
+        sources[candidate.source],
+        state.roots,
+        state.cache,
+        config.attn_impl,
+        sampling,
+        propose_key(state),
     )
     # In a run of AR rounds the draft sits out and catches up after it (decode).
     waits = [k == AR and adaptive.waits_out_ar(j) for j in range(len(adaptive.sources))]
@@ -198,7 +227,7 @@ def run_round(
     model = nnx.merge(config.graphdef, params)
     if isinstance(config.proposer, Adaptive):
         return _adaptive_round(config, model, proposer_params, state, sampling, candidate)
-    tree, proposal = propose(config, proposer_params, model, state)
+    tree, proposal = propose(config, proposer_params, model, state, sampling)
     logits, cache, block = verify(config, model, tree, state.cache)
     return accept_and_commit(config, state, tree, logits, cache, block, proposal, sampling)
 

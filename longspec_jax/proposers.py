@@ -7,7 +7,9 @@ static config); its parameters travel apart as a jit argument, its state rides i
 
     widths                                   the tree's level widths, static; () = the root alone
     init(params, model, cache, prompt_tokens, prompt_lengths, first) -> state
-    propose(params, model, state, roots, cache, attn_impl) -> (tree.Tree, state)
+    propose(params, model, state, roots, cache, attn_impl, sampling, key) -> (tree.Tree, state)
+        sampling: the request's SamplingParams; key: this round's, for a proposer that draws at
+        random (a draft chain)
     accept(state, tokens, n_tokens, positions) -> state
         tokens int32[B, D+1] kept this round (the first n_tokens[b] valid), positions int32[B]
         the position of tokens[:, 0]; the last kept token is the next root.
@@ -21,7 +23,10 @@ static config); its parameters travel apart as a jit argument, its state rides i
   occurrence (pld.py) in its own copy of prompt + output.
 - `DraftProposer` (mode "longspec"): the LongSpec draft. It feeds the tokens kept last round to the
   draft (`commit`, which also gives the root's distribution), then grows the tree level by level
-  (`propose_level`, tree.py's beam). The draft owns its ring buffer and tree slots (draft.py).
+  (`propose_level`, tree.py's beam). The draft owns its ring buffer and tree slots (draft.py). A
+  chain (every width 1) is drawn instead: each token at random from the draft's distribution under
+  the request's sampling settings (its argmax when greedy), verified by speculative sampling
+  (acceptance.accept_drawn_chain), which at T > 0 keeps more than the draft's likeliest token would.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from longspec_jax.draft import (
 )
 from longspec_jax.errors import UserError
 from longspec_jax.pld import propose_chain
+from longspec_jax.sampling import filtered_logits
 from longspec_jax.tree import (
     DEFAULT_WIDTHS,
     chain_tree,
@@ -76,7 +82,7 @@ class NoProposal:
     def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
         return ()
 
-    def propose(self, params, model, state, roots, cache, attn_impl):
+    def propose(self, params, model, state, roots, cache, attn_impl, sampling, key):
         return root_tree(roots), state
 
     def skip(self, params, model, state, cache):
@@ -101,7 +107,7 @@ class PromptLookup:
         history = history.at[:, : prompt_tokens.shape[1]].set(prompt_tokens)
         return write_rows(history, first[:, None], prompt_lengths)
 
-    def propose(self, params, model, history, roots, cache, attn_impl):
+    def propose(self, params, model, history, roots, cache, attn_impl, sampling, key):
         chain, _ = propose_chain(
             history, cache.lengths + 1, num_tokens=len(self.widths), max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM
         )
@@ -121,7 +127,8 @@ class PromptLookup:
 class BlockDraft:
     """The LongSpec draft block (draft.py) behind the calls `DraftProposer` makes; static. Its
     parameters (nnx.split of the block) are the proposer's parameters. `commit` and
-    `propose_level` return the draft's features, `top_k` their k likeliest next tokens. A stand-in
+    `propose_level` return the draft's features, `top_k` their k likeliest next tokens, `logits`
+    their next-token logits float32[B, T, V] under the shared LM head. A stand-in
     draft (a test oracle) provides the same methods."""
 
     graphdef: Any
@@ -153,6 +160,9 @@ class BlockDraft:
 
     def top_k(self, params, target_model, features, k, attn_impl):
         return draft_top_k(target_model, features, k, attn_impl=attn_impl)
+
+    def logits(self, params, target_model, features):
+        return target_model.lm_logits(features)
 
 
 @struct.dataclass
@@ -211,8 +221,22 @@ class DraftProposer:
         pending = jnp.zeros_like(state.pending).at[:, :1].set(root)
         return state.replace(draft=draft, pending=pending, n_pending=jnp.ones_like(state.n_pending))
 
-    def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl):
-        """The draft reads the kept tokens (they end with the root), then the beam levels."""
+    @property
+    def draws(self) -> bool:
+        """Whether the tree is a chain drawn at random from the draft (module doc)."""
+        return set(self.widths) == {1}
+
+    def _draw(self, params, model, features, sampling, noise):
+        """One token per row of features [B, 1, H] from the draft's filtered distribution, by
+        Gumbel-max with noise float32[B, V] (zero when greedy: the argmax) -> (a zero score [B, 1, 1],
+        the token [B, 1, 1], the filtered logits float32[B, V] it was drawn from, unnormalised)."""
+        scores = filtered_logits(self.draft.logits(params, model, features)[:, 0], sampling)
+        token = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+        return jnp.zeros(token.shape + (1, 1), jnp.float32), token[:, None, None], scores
+
+    def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl, sampling, key):
+        """The draft reads the kept tokens (they end with the root), then the beam levels (or the
+        chain's draws)."""
         root_pos = cache.lengths  # the tokens before the root are all in the cache
         target_k, target_v = cache.k[-1], cache.v[-1]
         positions, valid = self._pending_positions(state, root_pos)
@@ -220,17 +244,30 @@ class DraftProposer:
             params, model, state.draft, state.pending, positions, valid, target_k, target_v, attn_impl
         )
         root_row = jnp.maximum(state.n_pending - 1, 0)[:, None, None]
-        root_features = jnp.take_along_axis(features, root_row, axis=1)  # [B, 1, H]
-        best, tokens = self.draft.top_k(params, model, root_features, self.widths[0], attn_impl)
-        tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
+        features = jnp.take_along_axis(features, root_row, axis=1)  # [B, 1, H]: the root's
         vocab = model.config.vocab_size
-        for depth in range(1, len(self.widths)):
-            tokens, _, sees = level_block(tree, depth, root_pos)
-            features, draft = self.draft.propose_level(
-                params, model, draft, tokens, depth, sees, root_pos, target_k, target_v, attn_impl
-            )
-            best, tokens = self.draft.top_k(params, model, features, min(self.widths[depth], vocab), attn_impl)
-            tree = expand_level_from_top(tree, depth, best, tokens)
+        drawn_from = []
+        tree = None
+        if self.draws:  # one draw of noise for the whole chain
+            noise = jax.random.gumbel(key, (roots.shape[0], len(self.widths), vocab), jnp.float32)
+            noise = jnp.where(sampling.greedy, 0.0, noise)
+        for depth in range(len(self.widths)):
+            if depth > 0:
+                tokens, _, sees = level_block(tree, depth, root_pos)
+                features, draft = self.draft.propose_level(
+                    params, model, draft, tokens, depth, sees, root_pos, target_k, target_v, attn_impl
+                )
+            if self.draws:
+                best, tokens, scores = self._draw(params, model, features, sampling, noise[:, depth])
+                drawn_from.append(scores)
+            else:
+                best, tokens = self.draft.top_k(params, model, features, min(self.widths[depth], vocab), attn_impl)
+            if depth == 0:
+                tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
+            else:
+                tree = expand_level_from_top(tree, depth, best, tokens)
+        if self.draws:
+            tree = tree.replace(drawn_from=jnp.stack(drawn_from, axis=1))
         return tree, state.replace(draft=draft)
 
     def accept(self, state: DraftProposal, tokens, n_tokens, positions):

@@ -37,13 +37,13 @@ def _zeros_like_shapes(tree):
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("proposal",))
-def _repeat_propose(params, proposer_params, state, proposal, n, *, config):
+def _repeat_propose(params, proposer_params, state, proposal, sampling, n, *, config):
     """state: the loop's state without its proposer state (read only). -> (tree, proposer state)
     of the last repetition."""
     model = nnx.merge(config.graphdef, params)
 
     def part(s, proposal):
-        return propose(config, proposer_params, model, s.replace(proposal=proposal))
+        return propose(config, proposer_params, model, s.replace(proposal=proposal), sampling)
 
     def body(_, carry):
         s, proposal = jax.lax.optimization_barrier((state, carry[1]))
@@ -85,7 +85,7 @@ def profile_round_parts(config: LoopConfig, params, proposer_params, state: Loop
     reps = jnp.asarray(n, jnp.int32)
     rest = state.replace(proposal=None)
     (tree, proposal), propose_s = timed(
-        functools.partial(_repeat_propose, config=config), params, proposer_params, rest, state.proposal, reps
+        functools.partial(_repeat_propose, config=config), params, proposer_params, rest, state.proposal, sampling, reps
     )
     (logits, cache, block), verify_s = timed(
         functools.partial(_repeat_verify, config=config), params, tree, rest.cache, reps

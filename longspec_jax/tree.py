@@ -46,6 +46,12 @@ class Tree:
     scores:  float32[B, N]  cumulative draft log-prob from the root (root 0).
     mask:    bool[B, N, N]  mask[b, i, j]: node j is node i or one of its ancestors.
     widths:  static tuple of level widths.
+    drawn_from: float32[B, D, V] or None. A chain whose tokens were drawn at random from the draft
+             (proposers.DraftProposer): the distribution node d + 1's token was drawn from, as
+             filtered logits (sampling.filtered_logits: log-probs up to a constant per row; the
+             point mass on the argmax when greedy), which its verification needs
+             (acceptance.accept_drawn_chain). None: the tokens are the draft's likeliest, chosen
+             deterministically.
     Nodes of levels not built yet hold token 0, parent -1, score -inf and an all-False mask row.
     """
 
@@ -54,6 +60,7 @@ class Tree:
     scores: jax.Array
     mask: jax.Array
     widths: tuple[int, ...] = struct.field(pytree_node=False)
+    drawn_from: jax.Array | None = None
 
     @property
     def depth(self) -> int:

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from longspec_jax.acceptance import accept_greedy, accept_sampling
+from longspec_jax.acceptance import accept_drawn_chain, accept_greedy, accept_sampling
 from longspec_jax.sampling import SamplingParams, filtered_log_probs
-from longspec_jax.tree import expand_level, init_tree, node_depths
+from longspec_jax.tree import chain_tree, expand_level, init_tree, node_depths
 
 WIDTHS = (2, 3, 3)
 VOCAB = 6
@@ -201,3 +201,93 @@ def test_chi_square_catches_the_reference_rule_for_deterministic_candidates():
     node_probs = filtered_probs(node_logits, 1.0, 1.0)
     first, second = broken_rule_first_two(tree, draft_lps, node_probs, p_after1, np.random.default_rng(5))
     assert chi_square_p(first, second, p_root, p_after1) < 1e-3
+
+
+# --- chains drawn from the draft: speculative sampling ------------------------------------------
+
+
+def drawn_chain_setup(temperature, top_p, draw, seed=4):
+    """NUM_SAMPLES depth-2 chains over SAMPLE_VOCAB tokens, x1 from q0 and x2 from q1[x1] by
+    `draw(rng, q)` (a true draw, or something else to show the test can fail), and the target's
+    logits at each chain's three nodes. -> (tree with drawn_from, node logits [S, 3, V], q0, p_root,
+    p_after1)."""
+    rng = np.random.default_rng(seed)
+    v = SAMPLE_VOCAB
+    q0 = np.exp(random_log_probs(rng, (v,)))
+    q1 = np.exp(random_log_probs(rng, (v, v)))  # [x1] -> the draft's next distribution
+    logits_root = rng.normal(size=v) * 1.5
+    logits_after1 = rng.normal(size=(v, v)) * 1.5
+    logits_after2 = rng.normal(size=(v, v, v)) * 1.5
+    x1 = np.array([draw(rng, q0) for _ in range(NUM_SAMPLES)])
+    x2 = np.array([draw(rng, q1[a]) for a in x1])
+    tree = chain_tree(jnp.zeros((NUM_SAMPLES,), jnp.int32), jnp.asarray(np.stack([x1, x2], 1), jnp.int32))
+    drawn_from = np.stack([np.broadcast_to(q0, (NUM_SAMPLES, v)), q1[x1]], axis=1)
+    # drawn_from holds logits: log-probs up to a constant per row.
+    logits = np.log(drawn_from) + 3.0 * rng.normal(size=(NUM_SAMPLES, 2, 1))
+    tree = tree.replace(drawn_from=jnp.asarray(logits, jnp.float32))
+    node_logits = np.stack(
+        [np.broadcast_to(logits_root, (NUM_SAMPLES, v)), logits_after1[x1], logits_after2[x1, x2]], 1
+    )
+    p_root = filtered_probs(logits_root, temperature, top_p)
+    p_after1 = filtered_probs(logits_after1, temperature, top_p)
+    return tree, node_logits, q0, p_root, p_after1
+
+
+def run_drawn_chain(tree, node_logits, temperature, top_p, seed=12):
+    params = SamplingParams.create(temperature=temperature, top_p=top_p)
+    log_probs = filtered_log_probs(jnp.asarray(node_logits, jnp.float32), params)
+    key_round, key_next = jax.random.split(jax.random.key(seed))
+    return jax.jit(accept_drawn_chain)(tree, log_probs, key_round, params.greedy), key_next
+
+
+def true_draw(rng, q):
+    return rng.choice(len(q), p=q)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_drawn_chain_first_two_tokens_are_target_distributed(temperature, top_p):
+    tree, node_logits, q0, p_root, p_after1 = drawn_chain_setup(temperature, top_p, true_draw)
+    result, key_next = run_drawn_chain(tree, node_logits, temperature, top_p)
+    first, second = first_two_tokens(result.emitted, result.n_emitted, p_after1, key_next)
+    n = np.asarray(result.n_emitted)
+    assert (n == 3).mean() > 0.05 and (n == 1).mean() > 0.05  # whole chains and first rejections happen
+    assert chi_square_p(first, second, p_root, p_after1) > 1e-3
+    # The first token is kept with probability sum_x min(p(x), q(x)) (within 4 standard errors).
+    overlap = np.minimum(p_root, q0).sum()
+    assert abs((n >= 2).mean() - overlap) < 4 * np.sqrt(overlap * (1 - overlap) / NUM_SAMPLES)
+    path = np.asarray(result.path)
+    steps = np.arange(3)[None, :]
+    np.testing.assert_array_equal(path, np.where(steps < n[:, None], steps, 0))
+    np.testing.assert_array_equal(np.asarray(result.bonus), np.asarray(result.emitted)[np.arange(len(n)), n - 1])
+
+
+def test_chi_square_catches_a_chain_not_drawn_from_its_distribution():
+    """The rule is exact only for tokens drawn from drawn_from: the draft's likeliest tokens under
+    the same bookkeeping are biased, and the test sees it."""
+    tree, node_logits, _, p_root, p_after1 = drawn_chain_setup(1.0, 1.0, lambda rng, q: int(np.argmax(q)))
+    result, key_next = run_drawn_chain(tree, node_logits, 1.0, 1.0)
+    first, second = first_two_tokens(result.emitted, result.n_emitted, p_after1, key_next)
+    assert chi_square_p(first, second, p_root, p_after1) < 1e-3
+
+
+def test_drawn_chain_when_greedy_is_greedy_acceptance():
+    """Greedy: the target's and the draft's distributions are point masses, so the rule keeps a
+    token iff it is the target's argmax and the bonus is the argmax where the chain stops."""
+    rng = np.random.default_rng(6)
+    batch, depth = 64, 3
+    node_logits = rng.normal(size=(batch, depth + 1, VOCAB))
+    argmax = node_logits.argmax(-1)
+    # Agree with the target most of the time so every path length occurs.
+    chain = np.where(rng.random((batch, depth)) < 0.7, argmax[:, :depth], (argmax[:, :depth] + 1) % VOCAB)
+    tree = chain_tree(jnp.zeros((batch,), jnp.int32), jnp.asarray(chain, jnp.int32))
+    drawn_from = np.where(np.arange(VOCAB)[None, None, :] == chain[:, :, None], 0.0, -np.inf)
+    tree = tree.replace(drawn_from=jnp.asarray(drawn_from, jnp.float32))
+    params = SamplingParams.create(0.0)
+    log_probs = filtered_log_probs(jnp.asarray(node_logits, jnp.float32), params)
+    result = jax.jit(accept_drawn_chain)(tree, log_probs, jax.random.key(0), params.greedy)
+    for b in range(batch):
+        parents = np.arange(-1, depth)
+        _, emitted = greedy_reference(np.concatenate([[0], chain[b]]), parents, argmax[b])
+        n = int(result.n_emitted[b])
+        assert np.asarray(result.emitted[b, :n]).tolist() == emitted
+    assert set(np.asarray(result.n_emitted).tolist()) == set(range(1, depth + 2))

@@ -105,6 +105,9 @@ class OracleDraft:
     def top_k(self, params, target_model, logits, k, attn_impl):  # its features are its logits
         return vocab_top_k(jax.nn.log_softmax(logits, axis=-1), k)
 
+    def logits(self, params, target_model, logits):
+        return logits
+
 
 def oracle_generate(target, prompts, reference, max_new, eos=()):
     """Greedy longspec with the oracle draft."""
@@ -163,6 +166,21 @@ def test_longspec_greedy_with_oracle_draft_equals_ar_with_long_paths(target, pro
     assert result.tokens == reference
     assert result.stats.tau > 2.0  # long accepted paths really happened
     assert result.stats.rounds < MAX_NEW // 2
+
+
+def test_longspec_greedy_drawn_chain_equals_ar(target, prompts, reference):
+    """A chain (every width 1) is drawn from the draft; greedy, the draw is its argmax and the
+    verification keeps exactly what the target's argmax agrees with."""
+    known = np.zeros((len(prompts), max(map(len, prompts)) + MAX_NEW), np.int32)
+    for b, (p, out) in enumerate(zip(prompts, reference)):
+        known[b, : len(p) + len(out)] = p + out
+    generator = Generator(target, mode="ar", attn_impl="xla")
+    generator.proposer = DraftProposer(OracleDraft(target.config.vocab_size), (1, 1, 1))
+    generator.proposer_params = jnp.asarray(known)
+    request = DecodeRequest(max_new_tokens=MAX_NEW, sampling=SamplingSettings(), seed=0, eos_token_ids=())
+    result = generator.decode(prompts, request)
+    assert result.tokens == reference
+    assert result.stats.tau > 2.0
 
 
 def test_longspec_eos_inside_an_accepted_path(target, prompts, reference):
@@ -239,8 +257,12 @@ def exact_first_three(target, prompt, sampling):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
-def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p):
+@pytest.mark.parametrize(
+    "temperature,top_p,widths",
+    # (1, 1): a chain drawn from the draft, verified by speculative sampling.
+    [(1.0, 1.0, (2, 2)), (0.7, 1.0, (2, 2)), (1.0, 0.8, (2, 2)), (1.0, 1.0, (1, 1)), (0.7, 0.8, (1, 1))],
+)
+def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths):
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
     prompt = [1, 3, 0, 2, 2]
@@ -249,7 +271,7 @@ def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p):
         [prompt] * SAMPLES,
         mode="longspec",
         draft=draft,
-        tree_widths=(2, 2),
+        tree_widths=widths,
         max_new_tokens=3,
         temperature=temperature,
         top_p=top_p,
@@ -367,8 +389,8 @@ def test_profile_parts_are_the_loops_rounds_updating_buffers_in_place(target, pr
     one, three = jnp.asarray(1), jnp.asarray(3)
     chained = (None, copy(looped.proposal))
     for _ in range(3):
-        chained = _repeat_propose(params, draft_params, rest, chained[1], one, config=config)
-    repeated = _repeat_propose(params, draft_params, rest, copy(looped.proposal), three, config=config)
+        chained = _repeat_propose(params, draft_params, rest, chained[1], sampling, one, config=config)
+    repeated = _repeat_propose(params, draft_params, rest, copy(looped.proposal), sampling, three, config=config)
     assert_trees_close(repeated, chained)
     tree = repeated[0]
     chained = (None, copy(looped.cache))
@@ -410,7 +432,9 @@ def test_tree_scores_match_the_draft_training_forward_on_each_chain(target, prom
     stop_at = jnp.asarray(2, jnp.int32)
     run_decode, _ = compiled(decode, params, draft_params, state, stop_at, sampling, config=config)
     state = run_decode(params, draft_params, state, stop_at, sampling)
-    tree, _ = jax.jit(lambda p, dp, s: propose(config, dp, nnx.merge(graphdef, p), s))(params, draft_params, state)
+    tree, _ = jax.jit(lambda p, dp, s: propose(config, dp, nnx.merge(graphdef, p), s, sampling))(
+        params, draft_params, state
+    )
 
     assert int(state.rounds) == 2 and int(state.cache.lengths.max()) > 8  # the ring has wrapped
     depths = node_depths(WIDTHS)
