@@ -43,7 +43,8 @@ class Tree:
 
     tokens:  int32[B, N]    token of each node (row 0 is the root).
     parents: int32[B, N]    flat index of each node's parent; -1 for the root.
-    scores:  float32[B, N]  cumulative draft log-prob from the root (root 0).
+    scores:  float32[B, N]  cumulative draft log-prob from the root (root 0; 0 along a drawn or
+                            prompt-lookup chain, which no beam ranks).
     mask:    bool[B, N, N]  mask[b, i, j]: node j is node i or one of its ancestors.
     widths:  static tuple of level widths.
     drawn_from: float32[B, D, V] or None. A chain whose tokens were drawn at random from the draft
