@@ -49,10 +49,10 @@ class Tree:
     widths:  static tuple of level widths.
     drawn_from: float32[B, D, V] or None. A chain whose tokens were drawn at random from the draft
              (proposers.DraftProposer): the distribution node d + 1's token was drawn from, as
-             filtered logits (sampling.filtered_logits: log-probs up to a constant per row; the
-             point mass on the argmax when greedy), which its verification needs
-             (acceptance.accept_drawn_chain). None: the tokens are the draft's likeliest, chosen
-             deterministically.
+             filtered logits (sampling.filtered_logits: log-probs up to a constant per row; when
+             greedy the token is their argmax and its verification takes q as the point mass on
+             it), which its verification needs (acceptance.accept_drawn_chain). None: the tokens
+             are the draft's likeliest, chosen deterministically.
     Nodes of levels not built yet hold token 0, parent -1, score -inf and an all-False mask row.
     """
 
