@@ -10,9 +10,9 @@ rounds, the older ones counted as at most MEMORY_ROUNDS rounds so that it follow
 workload) and its retry wait, in memory and in a small JSON file under the project's cache folder
 (`$LONGSPEC_CACHE/acceptance`; rewritten at most every SAVE_EVERY_S and when the process exits).
 The next request of the same kind (the same target and draft weights, candidates, batch size and
-sampling settings) starts each remembered candidate from them (`policy.with_memory`): picked at
-once where its remembered rate is the best, else retried when its wait is out, not tried at the
-start. Tokens per round depend on neither the device nor the cache's
+sampling settings) starts each remembered candidate from them (`policy.with_memory`), the estimate weighed as
+the rounds behind it (at most MEMORY_ROUNDS): picked at once where its remembered rate is the best,
+else retried when its wait is out, not tried at the start. Tokens per round depend on neither the device nor the cache's
 size, so neither is part of the key. A file that cannot be read or written is ignored.
 
 The price: requests of one key that differ in kind (code, where a tree keeps five tokens a round,
@@ -134,7 +134,8 @@ def with_remembered(state, names: tuple[str, ...], key: str):
         return state, ()
     tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
     wait = np.asarray([kept[n]["wait"] if n in remembered else 0 for n in names], np.int32)
-    policy = _with_memory(state.proposal.policy, tokens, wait)
+    rounds = np.asarray([min(kept[n]["rounds"], MEMORY_ROUNDS) if n in remembered else 0 for n in names], np.float32)
+    policy = _with_memory(state.proposal.policy, tokens, wait, rounds)
     return state.replace(proposal=state.proposal.replace(policy=policy)), remembered
 
 

@@ -213,7 +213,7 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         policy = state.proposal.policy  # AR rounds are recorded together (decode)
         if k != AR:
             progress = batch_progress(state.n_new, n_keep, ~state.done)
-            policy = record(policy, jnp.int32(k), kept, active, progress)
+            policy = record(policy, jnp.int32(k), kept, active, progress, sampled=jnp.logical_not(sampling.greedy))
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)

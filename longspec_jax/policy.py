@@ -6,10 +6,15 @@ chain). Before decoding it knows what one round of each candidate costs on this 
 (`Calibration`, measured once and kept on disk, see calibration.py). Inside the device loop it
 keeps, per candidate, a running estimate of the tokens a round emits (the mean of the prior and
 its first rounds, then an exponential moving average, so the first evidence counts fully and a
-later change of text is followed), and picks
+later change of text is followed; an estimate remembered from earlier requests counts as the rounds
+behind it), and picks
 
     argmax_k  tokens_per_round[k] / seconds_per_round[k]
 
+When sampling, a round's tokens are mostly luck (a drawn token is kept or not) while their
+mean moves little with the text, so the average reaches further back (SAMPLED_EMA_WEIGHT): a drawn
+token that keeps 1.5 tokens a round where 1.36 break even (T = 1 on the H200) would otherwise drop
+below break-even after a few unlucky rounds and wait out its retries on AR (`tests/test_policy.py`).
 AR emits exactly one token per round, so its estimate is fixed at 1. A candidate that is not picked
 gathers no evidence, so a losing candidate is retried after `wait[k]` rounds times what its round
 costs against the best's (a retry costs that much, so an expensive candidate is retried as much
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 EMA_WEIGHT = 0.125  # weight of the newest round in a candidate's estimate (tau per round is noisy)
+SAMPLED_EMA_WEIGHT = 1 / 64  # ... when sampling (what a round keeps is luck; what it keeps on average moves slowly)
 FIRST_WAIT = 8  # rounds before a losing candidate is first retried
 MAX_WAIT = 256  # ... and at most this many after repeated losses
 AR = 0  # candidate 0 is always the plain target step
@@ -41,13 +47,15 @@ AR = 0  # candidate 0 is always the plain target step
 @struct.dataclass
 class PolicyState:
     """Per-candidate arrays float32/int32[K] (K static): seconds_per_round from the calibration;
-    tokens_per_round the running estimate (AR's stays 1); since_used rounds since it last ran;
+    tokens_per_round the running estimate (AR's stays 1); evidence the rounds it rests on (the
+    prior counts as one, a remembered estimate as the rounds behind it); since_used rounds since it last ran;
     wait the rounds a non-best candidate waits before its next retry; rounds / emitted the
     rounds each ran and the tokens they kept (summed over the batch), and candidate_runs
     (int32[]) the runs of one candidate's rounds the loop made (decode_loop.decode), for the stats."""
 
     seconds_per_round: jax.Array
     tokens_per_round: jax.Array
+    evidence: jax.Array
     max_tokens: jax.Array
     since_used: jax.Array
     wait: jax.Array
@@ -71,6 +79,7 @@ def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None)
     return PolicyState(
         seconds_per_round=cost,
         tokens_per_round=prior,
+        evidence=jnp.ones((k,), jnp.float32),
         max_tokens=most,
         since_used=jnp.full((k,), MAX_WAIT, jnp.int32),  # all due: each is tried once at the start
         wait=jnp.full((k,), FIRST_WAIT, jnp.int32),
@@ -95,20 +104,23 @@ def with_costs(policy: PolicyState, seconds_per_round) -> PolicyState:
     cost = jnp.asarray(seconds_per_round, jnp.float32)
     untried = policy.rounds == 0
     tokens = jnp.where(untried, break_even_tokens(cost), policy.tokens_per_round).at[AR].set(1.0)
-    return policy.replace(seconds_per_round=cost, tokens_per_round=tokens)
+    evidence = jnp.where(untried, 1.0, policy.evidence)
+    return policy.replace(seconds_per_round=cost, tokens_per_round=tokens, evidence=evidence)
 
 
-def with_memory(policy: PolicyState, tokens_per_round, wait) -> PolicyState:
+def with_memory(policy: PolicyState, tokens_per_round, wait, rounds) -> PolicyState:
     """The policy with what earlier requests of this kind kept (acceptance_memory.py):
-    tokens_per_round float[K] (NaN where nothing is remembered), wait int[K]. A candidate other
-    than AR that has not run yet and is remembered starts from its remembered estimate and retry
-    wait and is not due for a first trial: it runs at once if that makes it the best, else when its
-    wait is out."""
+    tokens_per_round float[K] (NaN where nothing is remembered), wait int[K], rounds float[K] the
+    rounds the remembered estimate rests on. A candidate other than AR that has not run yet and is
+    remembered starts from its remembered estimate, weighed as that many rounds (so one unlucky
+    round does not overturn what dozens showed), and its retry wait, and is not due for a first
+    trial: it runs at once if that makes it the best, else when its wait is out."""
     tokens = jnp.asarray(tokens_per_round, jnp.float32)
     k = policy.since_used.shape[0]
     known = jnp.isfinite(tokens) & (policy.rounds == 0) & (jnp.arange(k) != AR)
     return policy.replace(
         tokens_per_round=jnp.where(known, tokens, policy.tokens_per_round),
+        evidence=jnp.where(known, jnp.maximum(jnp.asarray(rounds, jnp.float32), 1.0), policy.evidence),
         since_used=jnp.where(known, 0, policy.since_used),
         wait=jnp.where(known, jnp.clip(jnp.asarray(wait, jnp.int32), FIRST_WAIT, MAX_WAIT), policy.wait),
     )
@@ -203,19 +215,22 @@ def batch_progress(n_new: jax.Array, n_keep: jax.Array, running: jax.Array) -> j
     return (jnp.sum(jnp.where(behind, n_keep, 0)) / jnp.maximum(count, 1)).astype(jnp.float32)
 
 
-def record(policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, progress=None) -> PolicyState:
+def record(
+    policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, progress=None, sampled=False
+) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
     in total (int32[]): update its estimate and the retry clocks. progress (float32[], optional):
     what the round is worth to the batch (`batch_progress`); when given, the estimate follows it
-    instead of the mean tokens a sequence kept."""
+    instead of the mean tokens a sequence kept. sampled (bool, may be traced): the request samples,
+    so the estimate settles more slowly (SAMPLED_EMA_WEIGHT)."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
     if progress is not None:
         per_sequence = progress.astype(jnp.float32)
     ran = is_chosen & (active > 0) & (chosen != AR)
-    # The prior counts as one round: the k-th round weighs 1 / (k + 1) until that is EMA_WEIGHT.
-    weight = jnp.maximum(1.0 / (policy.rounds.astype(jnp.float32) + 2.0), EMA_WEIGHT)
+    # A running mean over the evidence (the prior one round) until a round weighs the EMA weight.
+    weight = jnp.maximum(1.0 / (policy.evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
-    policy = policy.replace(tokens_per_round=estimate)
+    policy = policy.replace(tokens_per_round=estimate, evidence=policy.evidence + ran.astype(jnp.float32))
     return _advance_clocks(policy, chosen, jnp.int32(1), kept, active)

@@ -256,11 +256,12 @@ DRAWN_TREE = "tree " + ",".join(map(str, DRAWN_CHAIN))  # the draft's candidate 
 def test_with_memory_sets_only_untried_remembered_candidates():
     policy = init_policy(jnp.asarray([1.0, 2.0, 3.0]), max_tokens=[1, 6, 6])
     policy = policy.replace(rounds=jnp.asarray([0, 0, 4], jnp.int32))
-    out = with_memory(policy, np.asarray([5.0, 1.5, 4.0]), np.asarray([0, 64, 64]))
+    out = with_memory(policy, np.asarray([5.0, 1.5, 4.0]), np.asarray([0, 64, 64]), np.asarray([0, 40, 40]))
     np.testing.assert_allclose(out.tokens_per_round, [1.0, 1.5, policy.tokens_per_round[2]])  # AR stays 1
     assert out.since_used.tolist() == [policy.since_used[0], 0, policy.since_used[2]]  # not due at the start
     assert out.wait.tolist() == [FIRST_WAIT, 64, FIRST_WAIT]
-    unknown = with_memory(policy, np.asarray([np.nan, np.nan, np.nan]), np.zeros(3, np.int32))
+    assert out.evidence.tolist() == [1.0, 40.0, 1.0]  # the remembered rounds weigh its estimate
+    unknown = with_memory(policy, np.asarray([np.nan, np.nan, np.nan]), np.zeros(3, np.int32), np.zeros(3))
     assert unknown.tokens_per_round.tolist() == policy.tokens_per_round.tolist()
 
 

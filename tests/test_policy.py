@@ -14,17 +14,18 @@ from longspec_jax.policy import (
     init_policy,
     record,
     with_costs,
+    with_memory,
 )
 
 
 @jax.jit
-def simulate(policy, tokens):
-    """tokens int32[rounds, K]: what candidate k would keep at each round (batch 1).
-    -> (policy, int32[rounds] the candidate chosen each round)."""
+def simulate(policy, tokens, sampled=False):
+    """tokens int32[rounds, K]: what candidate k would keep at each round (batch 1); sampled: the
+    request samples. -> (policy, int32[rounds] the candidate chosen each round)."""
 
     def round_(p, row):
         k = choose(p)
-        return record(p, k, row[k], jnp.int32(1)), k
+        return record(p, k, row[k], jnp.int32(1), sampled=sampled), k
 
     return jax.lax.scan(round_, policy, tokens)
 
@@ -245,3 +246,43 @@ def test_with_costs_resets_only_the_untried_estimates():
     assert float(policy.tokens_per_round[2]) == 4.0  # break-even: 2.0 s against AR's 0.5 s
     assert np.allclose(break_even_tokens(policy.seconds_per_round), [1.0, 2.0, 4.0])
     assert float(policy.tokens_per_round[AR]) == 1.0
+
+
+def test_a_remembered_estimate_weighs_the_rounds_behind_it():
+    policy = with_costs(init_policy(jnp.ones(2), max_tokens=[1, 2]), [1.0, 1.36])
+    fresh = record(policy, jnp.int32(1), jnp.int32(1), jnp.int32(1))  # the prior counts as one round
+    assert np.isclose(float(fresh.tokens_per_round[1]), (1.36 + 1.0) / 2)
+    remembered = with_memory(policy, np.asarray([np.nan, 1.5]), np.asarray([0, 8]), np.asarray([0, 64]))
+    assert float(remembered.evidence[1]) == 64.0
+    unlucky = record(remembered, jnp.int32(1), jnp.int32(1), jnp.int32(1))  # one round of one token
+    assert np.isclose(float(unlucky.tokens_per_round[1]), 1.5 - 0.125 * 0.5)  # the EMA weight, not 1/2
+    sampled = record(remembered, jnp.int32(1), jnp.int32(1), jnp.int32(1), sampled=True)
+    assert np.isclose(float(sampled.tokens_per_round[1]), 1.5 - 0.5 / 64)
+    assert float(sampled.evidence[1]) == 65.0
+
+
+def _drawn_token_rounds(keep_rate, rounds=4000, seed=0):
+    """AR and a drawn token kept with probability keep_rate: 1 or 2 tokens a round, at random."""
+    keeps = np.random.default_rng(seed).random(rounds) < keep_rate
+    return np.stack([np.ones(rounds), 1 + keeps], 1).astype(np.int32)
+
+
+def test_sampling_a_candidate_that_pays_a_little_keeps_running_despite_its_luck():
+    # T = 1 on the H200: a drawn token's round costs 1.36 AR steps and keeps a token half the time,
+    # 1.10x AR's rate. One round's luck (one or two tokens) is worth +-0.5 tokens, 4x the margin.
+    seconds = [1.0, 1.36]
+    tokens = _drawn_token_rounds(0.5)
+    start = with_memory(init_policy(seconds, max_tokens=[1, 2]), np.asarray([np.nan, 1.5]), [0, 8], [0, 64])
+    _, chosen = simulate(start, tokens, True)
+    best_fixed = tokens[:, 1].sum() / (seconds[1] * len(tokens))
+    assert rate_of(np.asarray(chosen), tokens, seconds) >= 0.97 * best_fixed
+    _, greedy_weight = simulate(start, tokens, False)  # the estimate as greedy decoding moves it
+    assert rate_of(np.asarray(greedy_weight), tokens, seconds) < 0.95 * best_fixed
+
+
+def test_sampling_a_candidate_that_does_not_pay_runs_ar():
+    seconds = [1.0, 1.36]
+    tokens = _drawn_token_rounds(0.25)  # 1.25 tokens a round for 1.36 AR steps
+    start = init_policy(seconds, max_tokens=[1, 2])
+    _, chosen = simulate(start, tokens, True)
+    assert rate_of(np.asarray(chosen), tokens, seconds) >= 0.98
