@@ -159,7 +159,8 @@ def with_round_costs(state, seconds):
 
 def policy_stats(proposer, policy, source, remembered=()) -> dict:
     """What the policy did in a request, per candidate: rounds run, mean tokens kept per sequence
-    and round, and the calibrated milliseconds per round (with where they came from); the runs of
+    and round, the policy's estimate of that at the end (what it would choose by next), and the
+    calibrated milliseconds per round (with where they came from); the runs of
     one candidate's rounds in a row (a switch starts one; so does each call of the loop, the
     calibration's included); and the candidates that started from what earlier requests kept
     (acceptance_memory.py)."""
@@ -176,6 +177,7 @@ def policy_stats(proposer, policy, source, remembered=()) -> dict:
         stats["candidates"][name] = {
             "rounds": rounds,
             "tokens_per_round": float(policy.emitted[i]) / active if active else None,
+            "estimate": float(policy.tokens_per_round[i]),
             "ms_per_round": 1e3 * float(policy.seconds_per_round[i]),
         }
     return stats

@@ -130,6 +130,20 @@ def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
     assert result.stats.policy["candidate_runs"] <= 3 < sum(rounds.values())  # the tree's rounds run back to back
 
 
+def test_when_sampling_the_estimate_averages_over_more_rounds(target, draft, monkeypatch):
+    # A cheap drawn token runs every round. When sampling, its estimate stays the running mean of
+    # its prior (its break-even, 0.5 tokens) and its rounds up to 64 rounds; greedy decoding's
+    # weight would make it an average of the last ~8 rounds from the 8th round on.
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 10.0, DRAWN_TREE: 0.5}))
+    prompt = np.random.default_rng(6).integers(0, VOCAB, 20).tolist()
+    result = generate(target, prompt, draft=draft, max_new_tokens=40, temperature=1.0, seed=3, eos_token_ids=())
+    drawn = result.stats.policy["candidates"][DRAWN_TREE]
+    rounds, mean = drawn["rounds"], drawn["tokens_per_round"]
+    assert rounds == sum(rounds_of(result).values()) >= 16
+    assert mean != round(mean)  # rounds kept one token or two: the two averages differ
+    assert drawn["estimate"] == pytest.approx((0.5 + rounds * mean) / (1 + rounds), rel=1e-5)
+
+
 def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([2, 0, 1, 2, 2, 0, 1, 0, 2]))
     rng = np.random.default_rng(2)
