@@ -188,16 +188,20 @@ def draft_loss(
     *,
     attn_impl: str | None = None,
     chunk_tokens: int = 1024,
+    teacher=None,
+    distill: float = 0.0,
 ):
     """Mean next-token cross-entropy of the draft against the ground truth -> (loss, metrics).
 
     label_mask bool[B,L] marks the tokens to predict (HF "labels" alignment): token t counts when
     label_mask[b, t], predicted from position t - 1; label_mask[:, 0] is ignored. The logits are
-    computed `chunk_tokens` rows at a time and never held whole. metrics: loss, accuracy (top-1),
-    tokens (the number of predicted tokens)."""
+    computed `chunk_tokens` rows at a time and never held whole. teacher [B,L,H] / distill: the
+    target's final features and the weight of its next-token distribution as the soft label
+    (chunked_loss.py). metrics: loss, accuracy (top-1 against the data's tokens), tokens (the
+    number of predicted tokens)."""
     hidden = draft_hidden(block, target_model, tokens, positions, target_k, target_v, lag, attn_impl=attn_impl)
     loss_sum, correct, count = chunked_next_token_loss(
-        hidden, target_model.lm_logits, tokens, label_mask, chunk_tokens=chunk_tokens
+        hidden, target_model.lm_logits, tokens, label_mask, chunk_tokens=chunk_tokens, teacher=teacher, distill=distill
     )
     denom = jnp.maximum(count, 1.0)
     loss = loss_sum / denom

@@ -465,15 +465,23 @@ class Transformer(nnx.Module):
         block = BlockKV(k=None, v=None) if block_in_cache else BlockKV(k=tuple(block_k), v=tuple(block_v))
         return self.lm_logits(self.norm(x)), cache, block
 
-    def last_layer_kv(self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None):
+    def last_layer_kv(
+        self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None, with_features: bool = False
+    ):
         """The draft's training input: the last layer's k (after RoPE) and v, each [B,L,Hkv,D].
         Runs layers 0..N-2 causally (by index; positions only rotate) and then only the last
-        layer's input norm and k/v projections."""
+        layer's input norm and k/v projections. with_features: the last layer whole as well, and
+        also return the final-normed features [B,L,H] its LM head reads (the target's own
+        next-token distribution, for distillation): (k, v, features)."""
         b, l = tokens.shape
         lengths = jnp.full((b,), l, jnp.int32)
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
-        return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+        if not with_features:
+            return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+        q, k, v = last.qkv(x, self._rope(positions))
+        out = last.finish(x, attention.prefill_attention(q, k, v, lengths, impl=_impl(attn_impl)))
+        return k, v, self.norm(out)
 
 
 def _value(param) -> jax.Array | None:

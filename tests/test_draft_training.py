@@ -7,6 +7,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -15,7 +16,9 @@ from longspec_jax.chunked_loss import chunked_next_token_loss
 from longspec_jax.draft import DraftBlock, DraftConfig, draft_hidden, draft_loss
 from longspec_jax.errors import UserError
 from longspec_jax.target import random_target
+from tests.test_speculative import sharpened_target
 from tests.tiny_models import tiny_config
+from train.step import StepConfig, train_step
 
 
 def _check_anchor_offsets(positions, length, max_len, anchors):
@@ -77,6 +80,56 @@ def test_chunked_cross_entropy_equals_unchunked_with_gradients(head):
     g_dense = jax.grad(lambda h: dense(h)[0])(hidden)
     assert np.abs(np.asarray(g_dense)).max() > 1e-3
     np.testing.assert_allclose(np.asarray(g_chunked), np.asarray(g_dense), atol=1e-5)
+
+
+def _dense_distilled_loss_and_grad(hidden, teacher, head, tokens, label_mask, distill):
+    """float64 numpy reference of (1 - distill) * CE(token) + distill * H(p_teacher, q), summed over
+    the labels, and its gradient in hidden (softmax(q) - (1 - distill) onehot(token) - distill p,
+    through the head)."""
+    w_head = np.asarray(head.embed[...] if head.lm_head is None else head.lm_head[...], np.float64)  # [V, H]
+    h, t = np.asarray(hidden, np.float64)[:, :-1], np.asarray(teacher, np.float64)[:, :-1]
+    y, w = np.asarray(tokens)[:, 1:], np.asarray(label_mask, np.float64)[:, 1:]
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    logits = h @ w_head.T
+    q, p = softmax(logits), softmax(t @ w_head.T)
+    logq = np.log(q)
+    nll = -np.take_along_axis(logq, y[..., None], axis=-1)[..., 0]
+    loss = np.sum(((1 - distill) * nll - distill * np.sum(p * logq, -1)) * w)
+    onehot = np.eye(w_head.shape[0])[y]
+    grad = np.zeros(np.shape(hidden))
+    grad[:, :-1] = ((q - (1 - distill) * onehot - distill * p) * w[..., None]) @ w_head
+    return loss, grad
+
+
+@pytest.mark.parametrize("distill", [1.0, 0.3])
+def test_distillation_equals_the_dense_float64_loss_with_gradients(head, distill):
+    hidden, tokens, mask = _batch(2, 23, 512)
+    teacher = _batch(2, 23, 512, seed=1)[0]
+
+    def chunked(h, t=teacher):
+        return chunked_next_token_loss(h, head.lm_logits, tokens, mask, chunk_tokens=8, teacher=t, distill=distill)[0]
+
+    want, g_want = _dense_distilled_loss_and_grad(hidden, teacher, head, tokens, mask, distill)
+    np.testing.assert_allclose(float(chunked(hidden)), want, rtol=1e-5)
+    assert np.abs(g_want).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(jax.grad(chunked)(hidden)), g_want, atol=1e-5)
+    assert float(jnp.abs(jax.grad(lambda t: chunked(hidden, t))(teacher)).max()) == 0.0  # none into the teacher
+    plain = chunked_next_token_loss(hidden, head.lm_logits, tokens, mask, chunk_tokens=8)[0]
+    assert abs(float(chunked(hidden)) - float(plain)) > 0.1  # the soft label changes the loss
+
+
+def test_distilling_towards_the_drafts_own_distribution_leaves_only_its_entropy(head):
+    # p = q: H(p, q) is q's entropy, whose gradient is not zero, but KL(p || q) = 0: the soft term's
+    # value is the entropy (a check that p is the teacher's distribution, not the data's token).
+    hidden, tokens, mask = _batch(1, 9, 512)
+    loss = chunked_next_token_loss(hidden, head.lm_logits, tokens, mask, chunk_tokens=4, teacher=hidden, distill=1.0)[0]
+    logq = jax.nn.log_softmax(head.lm_logits(hidden[:, :-1]), axis=-1)
+    entropy = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
+    np.testing.assert_allclose(float(loss), float(jnp.sum(entropy * mask[:, 1:])), rtol=1e-5)
 
 
 def _largest_vocab_rows(jaxpr, vocab):
@@ -143,3 +196,49 @@ def test_draft_loss_matches_dense_reference_and_trains():
     for g, w in zip(flat, flat_want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=1e-4)
     assert any(np.abs(np.asarray(g)).max() > 0 for g in flat)
+
+
+@pytest.mark.parametrize("distill", [0.0, 1.0])
+def test_the_training_step_takes_the_targets_own_distribution_as_the_soft_label(distill):
+    target = sharpened_target(seed=2, vocab_size=64, eos_token_ids=())  # a peaked p, unlike random weights
+    block = DraftBlock(target.config, DraftConfig(window=8), rngs=nnx.Rngs(0))
+    draft_graphdef, draft_params = nnx.split(block)
+    target_graphdef, target_params = nnx.split(target.model)
+    params = nnx.to_pure_dict(draft_params)
+    optimizer = optax.sgd(0.0)
+    state = {"params": params, "opt": optimizer.init(params)}
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 64, (1, 2, 12), dtype=np.int32)  # [accumulation, batch, length]
+    mask = (rng.random((1, 2, 12)) < 0.8).astype(np.int32)
+    # No anchor offset and gamma 2: positions 0..L-1 and a lag of 1, which the reference repeats.
+    sc = StepConfig(
+        gamma=2,
+        anchor_offset=False,
+        num_anchors=4,
+        max_offset=64,
+        compute_dtype="float32",
+        attn_impl="xla",
+        loss_chunk_tokens=8,
+        distill=distill,
+    )
+    _, metrics = train_step(
+        target_graphdef,
+        draft_graphdef,
+        optimizer,
+        sc,
+        target_params,
+        state,
+        {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask)},
+        jax.random.key(0),
+    )
+    x = jnp.asarray(tokens[0])
+    positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), x.shape)
+    k, v = target.model.last_layer_kv(x, positions, attn_impl="xla")
+    logq = jax.nn.log_softmax(target.model.lm_logits(draft_hidden(block, target.model, x, positions, k, v, 1)), -1)
+    p = jax.nn.softmax(target.model.forward_logits(x, attn_impl="xla"), -1)  # the target's own, from scratch
+    soft = -jnp.sum(p[:, :-1] * logq[:, :-1], -1)  # position t predicts token t + 1
+    hard = -jnp.take_along_axis(logq[:, :-1], x[:, 1:, None], -1)[..., 0]
+    per_token = soft if distill else hard
+    assert float(jnp.abs(soft - hard).max()) > 0.1  # the two labels differ: the test tells them apart
+    w = jnp.asarray(mask[0, :, 1:], jnp.float32)
+    np.testing.assert_allclose(float(metrics["loss"]), float(jnp.sum(per_token * w) / jnp.sum(w)), rtol=1e-4)

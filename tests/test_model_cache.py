@@ -227,6 +227,17 @@ def test_last_layer_kv_equals_last_layer_cache(target):
     np.testing.assert_allclose(v, cache.v[-1][:, :7], atol=ATOL)
 
 
+def test_last_layer_kv_with_features_gives_the_targets_own_logits(target):
+    tokens = jnp.asarray(_random_tokens(10, (2, 7)))
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    k, v = target.model.last_layer_kv(tokens, positions, attn_impl="xla")
+    k2, v2, features = target.model.last_layer_kv(tokens, positions, attn_impl="xla", with_features=True)
+    np.testing.assert_allclose(k2, k, atol=ATOL)
+    np.testing.assert_allclose(v2, v, atol=ATOL)
+    logits = target.model.lm_logits(features)
+    np.testing.assert_allclose(logits, target.model.forward_logits(tokens, attn_impl="xla"), atol=ATOL)
+
+
 def test_last_layer_kv_keys_rotate_with_positions(target):
     """Anchor-offset positions: equal to a block forward at those positions after the same prefix."""
     tokens = _random_tokens(9, (1, 6))

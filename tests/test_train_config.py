@@ -79,6 +79,7 @@ def test_overrides_are_typed_by_the_field():
         ("lr", "expected key=value"),
         ("log_every=0", "at least 1"),
         ("seq_len=3", "must exceed num_anchors"),
+        ("distill=1.5", "must be in \\[0, 1\\]"),
     ],
 )
 def test_bad_overrides_are_user_errors(assignment, message):

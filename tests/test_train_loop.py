@@ -182,6 +182,8 @@ def test_resuming_with_a_different_data_config_is_refused(uninterrupted, corpus_
         train(tiny_cfg(corpus_file, result.run_dir.parent, "seq_len=32"))
     with pytest.raises(UserError, match=r"data_repeats=\[\], this run has data_repeats=\[2\]"):
         train(tiny_cfg(corpus_file, result.run_dir.parent, "data_repeats=2"))
+    with pytest.raises(UserError, match=r"distill=0.0, this run has distill=0.5"):
+        train(tiny_cfg(corpus_file, result.run_dir.parent, "distill=0.5"))
 
 
 def test_sigterm_saves_and_a_damaged_newest_checkpoint_is_skipped_without_duplicate_rows(

@@ -68,6 +68,10 @@ class TrainConfig:
     compute_dtype: str = "bfloat16"  # target weights and draft compute; master weights stay float32
     attn_impl: str | None = None  # None: the backend's default
     loss_chunk_tokens: int = 1024  # the cross-entropy's logits are made this many rows at a time
+    # Weight of the target's own next-token distribution as the soft label (0: the data's tokens
+    # only; 1: the target's distribution only). It costs the target's last layer and LM head per
+    # token (longspec_jax/chunked_loss.py).
+    distill: float = 0.0
     # Bookkeeping.
     seed: int = 0
     # Start the draft from these weights rather than at random: any path `load_draft` reads (our
@@ -114,6 +118,8 @@ class TrainConfig:
             raise UserError(f"max_offset={s.max_offset} must be >= seq_len={s.seq_len}")
         if self.time_limit_s < 0:
             raise UserError(f"time_limit_s={self.time_limit_s} must be >= 0 (0: no limit)")
+        if not 0.0 <= self.distill <= 1.0:
+            raise UserError(f"distill={self.distill} must be in [0, 1] (0: the data's tokens only)")
         if self.gamma < 2:
             raise UserError(f"gamma={self.gamma} must be >= 2 (the lag is drawn from 1..gamma-1)")
         if list(self.mesh).count(-1) > 1 or any(a == 0 or a < -1 for a in self.mesh):

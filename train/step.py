@@ -2,7 +2,9 @@
 
 Per micro-batch (a `lax.scan` over the accumulation axis): anchor-offset positions, the frozen
 target's last-layer K/V (forward only, no gradient), the draft's training forward with one
-flash-noisy lag j ~ U{1..gamma-1} for the whole step, and the chunked cross-entropy. Gradients are
+flash-noisy lag j ~ U{1..gamma-1} for the whole step, and the chunked cross-entropy (with `distill`
+> 0 also against the target's own next-token distribution: then the target's last layer runs whole
+and its final features go to the loss, which makes their logits chunk by chunk). Gradients are
 taken for the draft's parameters only, summed over micro-batches weighted by their label counts
 (so the step's loss is the mean over every label of the batch), then clipped and applied by AdamW.
 
@@ -39,6 +41,7 @@ class StepConfig:
     compute_dtype: str
     attn_impl: str  # resolved: never None
     loss_chunk_tokens: int
+    distill: float = 0.0  # weight of the target's own distribution as the soft label
 
 
 def step_config(cfg) -> StepConfig:
@@ -51,6 +54,7 @@ def step_config(cfg) -> StepConfig:
         compute_dtype=cfg.compute_dtype,
         attn_impl=cfg.attn_impl or attention.default_impl(),
         loss_chunk_tokens=cfg.loss_chunk_tokens,
+        distill=cfg.distill,
     )
 
 
@@ -82,7 +86,7 @@ def train_step(
     lag = jax.random.randint(lag_key, (), 1, sc.gamma, dtype=jnp.int32)
     compute = jnp.dtype(sc.compute_dtype)
 
-    def micro_loss(p, tokens, mask, positions, target_k, target_v):
+    def micro_loss(p, tokens, mask, positions, target_k, target_v, teacher):
         block = nnx.merge(draft_graphdef, _cast_floats(p, compute))
         return draft_loss(
             block,
@@ -95,6 +99,8 @@ def train_step(
             lag,
             attn_impl=sc.attn_impl,
             chunk_tokens=sc.loss_chunk_tokens,
+            teacher=teacher,
+            distill=sc.distill,
         )
 
     def micro(carry, xs):
@@ -102,10 +108,16 @@ def train_step(
         tokens, mask, micro_key = xs
         mask = mask.astype(bool)
         positions = _positions(micro_key, tokens.shape[0], tokens.shape[1], sc)
-        target_k, target_v = target_model.last_layer_kv(tokens, positions, attn_impl=sc.attn_impl)
-        target_k, target_v = jax.lax.stop_gradient((target_k, target_v))
+        teacher = None
+        if sc.distill > 0:  # the whole last layer too: its output is the target's distribution
+            target_k, target_v, teacher = target_model.last_layer_kv(
+                tokens, positions, attn_impl=sc.attn_impl, with_features=True
+            )
+        else:
+            target_k, target_v = target_model.last_layer_kv(tokens, positions, attn_impl=sc.attn_impl)
+        target_k, target_v, teacher = jax.lax.stop_gradient((target_k, target_v, teacher))
         (loss, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(
-            params, tokens, mask, positions, target_k, target_v
+            params, tokens, mask, positions, target_k, target_v, teacher
         )
         labels = metrics["tokens"].astype(jnp.float32)
         grad_sum = jax.tree.map(lambda a, g: a + g * labels, grad_sum, grads)

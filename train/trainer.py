@@ -385,6 +385,7 @@ def _check_resumable(saved: dict | None, cfg: TrainConfig, fingerprint: list[dic
     # Repeats decide which records the data iterator's saved position points at (older
     # checkpoints predate the field: no repeats).
     pairs.append(("data_repeats", before.get("data_repeats", []), after["data_repeats"]))
+    pairs.append(("distill", saved["config"].get("distill", 0.0), now["distill"]))  # the loss itself
     if "data_fingerprint" not in saved:  # written before fingerprints were kept: compare the paths
         pairs.append(("data", before["data"], after["data"]))
     changed = [(k, a, b) for k, a, b in pairs if a != b]
