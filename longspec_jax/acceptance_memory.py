@@ -10,10 +10,11 @@ rounds, the older ones counted as at most MEMORY_ROUNDS rounds so that it follow
 workload) and its retry wait, in memory and in a small JSON file under the project's cache folder
 (`$LONGSPEC_CACHE/acceptance`; rewritten at most every SAVE_EVERY_S and when the process exits).
 The next request of the same kind (the same target and draft weights, candidates, batch size and
-sampling settings) starts each remembered candidate from them (`policy.with_memory`), the estimate weighed as
-the rounds behind it (at most MEMORY_ROUNDS): picked at once where its remembered rate is the best,
-else retried when its wait is out, not tried at the start. Tokens per round depend on neither the device nor the cache's
-size, so neither is part of the key. A file that cannot be read or written is ignored.
+sampling settings) starts each remembered candidate from them (`policy.with_memory`; when sampling
+the estimate weighs as the rounds behind it, at most MEMORY_ROUNDS, greedy as one round): picked at
+once where its remembered rate is the best, else retried when its wait is out, not tried at the
+start. Tokens per round depend on neither the device nor the cache's size, so neither is part of
+the key. A file that cannot be read or written is ignored.
 
 The price: requests of one key that differ in kind (code, where a tree keeps five tokens a round,
 and prose, where it keeps two) start from their mix, and a candidate remembered as losing is
@@ -125,16 +126,23 @@ def forget_memory() -> None:
     _SAVED_AT.clear()
 
 
-def with_remembered(state, names: tuple[str, ...], key: str):
+def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = False):
     """The loop state with each remembered candidate's estimate and wait set (policy.with_memory)
-    -> (state, the names of the candidates that start from memory)."""
+    -> (state, the names of the candidates that start from memory). sampled: the request samples,
+    and a remembered estimate weighs as the rounds behind it (at most MEMORY_ROUNDS): what a drawn
+    token keeps is a property of draft and target, which one round's luck must not overturn. Greedy,
+    it weighs as one round: what a tree or a prompt-lookup chain keeps follows the text (a chain
+    that kept six tokens a round on the last request's code may keep one on this one's), and on a
+    CPU a round of either costs several AR steps, so the first round of evidence decides."""
     kept = load_memory(key, memory_folder())
     remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
     if not remembered:
         return state, ()
     tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
     wait = np.asarray([kept[n]["wait"] if n in remembered else 0 for n in names], np.int32)
-    rounds = np.asarray([min(kept[n]["rounds"], MEMORY_ROUNDS) if n in remembered else 0 for n in names], np.float32)
+    rounds = np.asarray(
+        [min(kept[n]["rounds"], MEMORY_ROUNDS) if sampled and n in remembered else 1 for n in names], np.float32
+    )
     policy = _with_memory(state.proposal.policy, tokens, wait, rounds)
     return state.replace(proposal=state.proposal.replace(policy=policy)), remembered
 

@@ -356,7 +356,7 @@ class Generator:
             if adaptive:
                 state, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
                 rounds = int(state.rounds) if calibration == "measured" else 0
-                state, remembered = with_remembered(state, proposer.names, memory)
+                state, remembered = with_remembered(state, proposer.names, memory, sampled=not request.sampling.greedy)
             if request.profile:
                 jax.block_until_ready(state)
                 runs.append(("start", rounds, time.perf_counter() - t0))

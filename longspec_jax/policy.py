@@ -6,8 +6,8 @@ chain). Before decoding it knows what one round of each candidate costs on this 
 (`Calibration`, measured once and kept on disk, see calibration.py). Inside the device loop it
 keeps, per candidate, a running estimate of the tokens a round emits (the mean of the prior and
 its first rounds, then an exponential moving average, so the first evidence counts fully and a
-later change of text is followed; an estimate remembered from earlier requests counts as the rounds
-behind it), and picks
+later change of text is followed; when sampling, an estimate remembered from earlier requests counts
+as the rounds behind it), and picks
 
     argmax_k  tokens_per_round[k] / seconds_per_round[k]
 

@@ -10,7 +10,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, struct
 from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
@@ -18,7 +18,7 @@ from longspec_jax.adaptive import DRAWN_CHAIN, Adaptive, Candidate, adaptive_pro
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
-from longspec_jax.policy import FIRST_WAIT, init_policy, with_memory
+from longspec_jax.policy import FIRST_WAIT, PolicyState, init_policy, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
@@ -277,6 +277,32 @@ def test_with_memory_sets_only_untried_remembered_candidates():
     assert out.evidence.tolist() == [1.0, 40.0, 1.0]  # the remembered rounds weigh its estimate
     unknown = with_memory(policy, np.asarray([np.nan, np.nan, np.nan]), np.zeros(3, np.int32), np.zeros(3))
     assert unknown.tokens_per_round.tolist() == policy.tokens_per_round.tolist()
+
+
+@struct.dataclass
+class _Proposal:
+    policy: PolicyState
+
+
+@struct.dataclass
+class _LoopState:
+    proposal: _Proposal
+
+
+def test_a_remembered_estimate_weighs_its_rounds_only_when_sampling():
+    # Greedy, what a chain keeps follows the text: the next request's first round decides. When
+    # sampling, what a drawn token keeps is the draft's and the target's: dozens of rounds stand.
+    names = ("ar", "pld 2", DRAWN_TREE)
+    key = acceptance_memory.memory_key(test="weighs")
+    entry = {"tokens_per_round": 1.5, "rounds": 500, "wait": 8}
+    acceptance_memory.save_memory(key, {"pld 2": entry, DRAWN_TREE: entry}, None)
+    state = _LoopState(_Proposal(init_policy(jnp.ones(3), max_tokens=[1, 3, 2])))
+    greedy, remembered = acceptance_memory.with_remembered(state, names, key)
+    sampled, _ = acceptance_memory.with_remembered(state, names, key, sampled=True)
+    assert remembered == ("pld 2", DRAWN_TREE)
+    assert greedy.proposal.policy.evidence.tolist() == [1.0, 1.0, 1.0]
+    assert sampled.proposal.policy.evidence.tolist() == [1.0, *[float(acceptance_memory.MEMORY_ROUNDS)] * 2]
+    np.testing.assert_allclose(sampled.proposal.policy.tokens_per_round, [1.0, 1.5, 1.5])
 
 
 def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, draft, monkeypatch):
