@@ -44,16 +44,18 @@ def chunked_next_token_loss(
     def chunked(x):  # [n, ...] -> [chunks, c, ...]
         return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(chunks, c, *x.shape[1:])
 
+    xs = (chunked(feats), chunked(labels), chunked(weights))
     taught = teacher is not None and distill > 0
-    soft = chunked(jax.lax.stop_gradient(teacher[:, :-1].reshape(-1, h))) if taught else jnp.zeros((chunks, c, 0))
+    if taught:
+        xs += (chunked(jax.lax.stop_gradient(teacher[:, :-1].reshape(-1, h))),)
 
     @jax.checkpoint
-    def chunk_sums(f, y, w, t):
+    def chunk_sums(f, y, w, *t):
         logits = lm_logits(f[None])[0].astype(jnp.float32)  # [C, V]
         log_norm = jax.nn.logsumexp(logits, axis=-1)
         loss = log_norm - jnp.take_along_axis(logits, y[:, None], axis=-1)[:, 0]
         if taught:
-            p = jax.nn.softmax(lm_logits(t[None])[0].astype(jnp.float32), axis=-1)
+            p = jax.nn.softmax(lm_logits(t[0][None])[0].astype(jnp.float32), axis=-1)
             loss = (1.0 - distill) * loss + distill * (log_norm - jnp.sum(p * logits, axis=-1))
         hits = (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
         return jnp.sum(loss * w), jnp.sum(hits * w)
@@ -63,5 +65,5 @@ def chunked_next_token_loss(
         return (totals[0] + loss, totals[1] + correct), None
 
     zero = jnp.zeros((), jnp.float32)
-    (loss_sum, correct), _ = jax.lax.scan(step, (zero, zero), (chunked(feats), chunked(labels), chunked(weights), soft))
+    (loss_sum, correct), _ = jax.lax.scan(step, (zero, zero), xs)
     return loss_sum, correct, jnp.sum(weights)
