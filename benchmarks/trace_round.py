@@ -1,7 +1,7 @@
 """Where the GPU time of an AR step and a LongSpec round goes, kernel by kernel, from a profiler trace.
 
 Decodes with SmolLM2's shape and random weights and draft (bfloat16, a 4,500-token prompt, 24 new
-tokens: with a random draft every round keeps one token, so both modes run 23 rounds), once to
+tokens: with a random draft a greedy round keeps one token, so both modes run 23 rounds), once to
 compile, once under `jax.profiler.trace` (a Perfetto trace per mode under --out). Then it sums the
 GPU kernels that ran after the prefill by class (GEMMs, the Pallas attention and its combine, the
 vocabulary top-k, other XLA fusions, copies) and prints milliseconds per round, beside the kernels'
@@ -9,6 +9,7 @@ busy time and the span per round. A kernel-time-bound loop has busy ~ span.
 
     python -m benchmarks.trace_round --out /tmp/trace      # GPU
     python -m benchmarks.trace_round --out /tmp/trace --fused-projections
+    python -m benchmarks.trace_round --out /tmp/trace --tree-widths 1 --temperature 1   # one drawn token
     python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
 """
 
@@ -99,7 +100,9 @@ def print_summary(label: str, summary: dict) -> None:
             print(f"  {cls:18s} {n:6.1f} kernels {ms:7.3f} ms")
 
 
-def record(out: Path, prompt_tokens: int, new_tokens: int, fused_projections: bool) -> dict[str, Path]:
+def record(
+    out: Path, prompt_tokens: int, new_tokens: int, fused_projections: bool, tree_widths=None, temperature: float = 0.0
+) -> dict[str, Path]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -115,10 +118,11 @@ def record(out: Path, prompt_tokens: int, new_tokens: int, fused_projections: bo
     prompt = np.random.default_rng(0).integers(100, 1000, size=prompt_tokens).tolist()
     traces = {}
     for mode in ("longspec", "ar"):
-        generator = Generator(target, draft if mode == "longspec" else None, mode=mode)
-        generator.generate([prompt], max_new_tokens=new_tokens)
+        widths = tree_widths if mode == "longspec" else None
+        generator = Generator(target, draft if mode == "longspec" else None, mode=mode, tree_widths=widths)
+        generator.generate([prompt], max_new_tokens=new_tokens, temperature=temperature)
         with jax.profiler.trace(str(out / mode), create_perfetto_trace=True):
-            result = generator.generate([prompt], max_new_tokens=new_tokens)
+            result = generator.generate([prompt], max_new_tokens=new_tokens, temperature=temperature)
         print(mode, result.stats.line())
         traces[mode] = (max((out / mode).glob("**/perfetto_trace.json.gz")), result.stats.rounds)
     return traces
@@ -133,11 +137,15 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=23, help="rounds in the --summarise trace")
     parser.add_argument("--top", type=int, default=0, help="also list the N kernels that took the most time")
     parser.add_argument("--fused-projections", action="store_true", help="the projections as fused Pallas kernels")
+    parser.add_argument("--tree-widths", type=lambda s: tuple(int(w) for w in s.split(",")), help="e.g. 1 or 4,16,16")
+    parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args(argv)
     if args.summarise:
         traces = {args.summarise.name: (args.summarise, args.rounds)}
     else:
-        traces = record(args.out, args.prompt_tokens, args.new_tokens, args.fused_projections)
+        traces = record(
+            args.out, args.prompt_tokens, args.new_tokens, args.fused_projections, args.tree_widths, args.temperature
+        )
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))
         print_summary(f"{label} ({path})", summarise(trace, rounds))
