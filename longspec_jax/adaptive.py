@@ -13,11 +13,12 @@ trees; at T > 0 the draft proposes a chain drawn from its distribution; large ba
 trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
-candidates of one draft (or the prompt-lookup chains) share it. After every round each source is
-brought up to date: the one that proposed through `accept`, the others through `skip` then `accept`
-(the draft writes the tokens it did not see into its ring from their embeddings alone, which is what
-it would have written itself), except that the draft sits out a run of AR rounds and catches up once
-after it (`catch_up`).
+candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
+takes what it kept through `accept`; every other source sits out the run of rounds it is not part of
+and catches up once after it, from the output (`catch_up`: the draft writes the tokens it did not
+see into its ring from their embeddings alone, which is what it would have written itself; prompt
+lookup writes them into its history). A round then carries no other source's bookkeeping, and the
+draft's pending tokens are at most its own trees' depth + 1.
 
 Every candidate's round is exact (greedy: AR's tokens; sampling: AR's distribution), so switching at
 any round keeps the output exact; the policy only decides speed.
@@ -80,11 +81,13 @@ class Adaptive:
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.candidates)
 
-    def waits_out_ar(self, source: int) -> bool:
-        """Whether source `source` sits out runs of AR rounds and catches up after them from the
-        output (`catch_up`): the draft, whose per-round catch-up costs a projection and a ring
-        write a round; prompt lookup's history write is cheaper kept per round."""
-        return isinstance(self.sources[source], DraftProposer)
+    def waits_out(self, source: int, candidate: int) -> bool:
+        """Whether source `source` sits out the rounds of candidate `candidate` and catches up after
+        the run (`catch_up`): every source with state that is not the candidate's own. Kept round by
+        round instead, the draft would run a projection and a ring write, and prompt lookup a history
+        write, in every round of another candidate (mode auto's rounds then took ~5 % longer than the
+        same candidate's fixed rounds on the H200); a catch-up costs about one such round per run."""
+        return source != self.candidates[candidate].source and not isinstance(self.sources[source], NoProposal)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -150,7 +153,7 @@ def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
         check_draft(draft, target.config)
         graphdef, draft_params = nnx.split(draft.block)
         block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)), window=draft.config.window)
-        rows = max(len(w) for _, w in plan) + 1  # any candidate's round may be the draft's next input
+        rows = max(len(w) for w in trees) + 1  # the most its own rounds keep (others' it catches up on)
         sources.append(DraftProposer(block, trees[0], pending_rows=rows))
         params.append(draft_params)
         index = len(sources) - 1

@@ -179,36 +179,27 @@ def accept_and_commit(
 
 def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState, sampling, k: int) -> LoopState:
     """One round of candidate k (static) of an adaptive proposer (adaptive.py): its proposer
-    proposes, the other sources catch up, and the policy records what the round kept."""
+    proposes and takes what was kept, and the policy records it. The other sources catch up after
+    the run (decode)."""
     adaptive = config.proposer
     candidate = adaptive.candidates[k]
     sources = state.proposal.sources
-    tree, mine = candidate.proposer.propose(
-        proposer_params[candidate.source],
+    mine = candidate.source
+    tree, proposed = candidate.proposer.propose(
+        proposer_params[mine],
         model,
-        sources[candidate.source],
+        sources[mine],
         state.roots,
         state.cache,
         config.attn_impl,
         sampling,
         propose_key(state),
     )
-    # In a run of AR rounds the draft sits out and catches up after it (decode).
-    waits = [k == AR and adaptive.waits_out_ar(j) for j in range(len(adaptive.sources))]
-    current = [
-        mine
-        if j == candidate.source
-        else sources[j]
-        if waits[j]
-        else src.skip(proposer_params[j], model, sources[j], state.cache)
-        for j, src in enumerate(adaptive.sources)
-    ]
 
     def update(emitted, n_keep, positions):
-        accepted = tuple(
-            s if wait else src.accept(s, emitted, n_keep, positions)
-            for src, s, wait in zip(adaptive.sources, current, waits)
-        )
+        # The other sources sit out this candidate's run and catch up after it (decode).
+        own = adaptive.sources[mine].accept(proposed, emitted, n_keep, positions)
+        accepted = tuple(own if j == mine else s for j, s in enumerate(sources))
         kept, active = n_keep.sum(), (~state.done).sum()
         policy = state.proposal.policy  # AR rounds are recorded together (decode)
         if k != AR:
@@ -294,13 +285,25 @@ def decode(
     def pick(s):
         return jnp.where(candidate >= 0, candidate, choose(s.proposal.policy)).astype(jnp.int32)
 
+    def caught_up(ran, k: int):
+        """The sources that sat out a run of candidate k's rounds, brought up to date from the output."""
+        model = nnx.merge(config.graphdef, params)
+        sources = tuple(
+            src.catch_up(proposer_params[j], model, state_j, ran.out, ran.n_new, ran.cache.lengths)
+            if config.proposer.waits_out(j, k)
+            else state_j
+            for j, (src, state_j) in enumerate(zip(config.proposer.sources, ran.proposal.sources))
+        )
+        return ran.replace(proposal=ran.proposal.replace(sources=sources))
+
     def rounds_of(k: int):
         def run(s):
-            return jax.lax.while_loop(
+            ran = jax.lax.while_loop(
                 lambda s: more(s) & (pick(s) == k),
                 lambda s: run_round(config, params, proposer_params, s, sampling, k),
                 s,
             )
+            return caught_up(ran, k)
 
         return run
 
@@ -320,14 +323,7 @@ def decode(
             (ran.n_new - s.n_new).sum(),
             (ran.active_rounds - s.active_rounds).sum(),
         )
-        model = nnx.merge(config.graphdef, params)
-        sources = tuple(
-            src.catch_up(proposer_params[j], model, state_j, ran.out, ran.n_new, ran.cache.lengths)
-            if config.proposer.waits_out_ar(j)
-            else state_j
-            for j, (src, state_j) in enumerate(zip(config.proposer.sources, ran.proposal.sources))
-        )
-        return ran.replace(proposal=ran.proposal.replace(sources=sources, policy=policy))
+        return caught_up(ran.replace(proposal=ran.proposal.replace(policy=policy)), AR)
 
     branches = [ar_rounds if k == AR else rounds_of(k) for k in range(len(config.proposer.candidates))]
 

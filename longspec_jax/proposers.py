@@ -13,9 +13,10 @@ static config); its parameters travel apart as a jit argument, its state rides i
     accept(state, tokens, n_tokens, positions) -> state
         tokens int32[B, D+1] kept this round (the first n_tokens[b] valid), positions int32[B]
         the position of tokens[:, 0]; the last kept token is the next root.
-    skip(params, model, state, cache) -> state
-        the round was proposed by another proposer (adaptive.py): bring the state up to date
-        as `propose` would have, cheaply (the draft writes what it has not seen into its ring).
+    catch_up(params, model, state, out, n_out, root_pos) -> state     (stateful proposers)
+        after rounds another proposer ran (adaptive.py): the state accept would have left,
+        from the generated tokens out int32[B, N] (the first n_out[b] valid, the last the root
+        at position root_pos[b]).
     cache_bytes(state) -> int                bytes of a draft model's cache (0 without one)
 
 - `NoProposal` (mode "ar"): the root alone, so a round is one AR step.
@@ -85,9 +86,6 @@ class NoProposal:
     def propose(self, params, model, state, roots, cache, attn_impl, sampling, key):
         return root_tree(roots), state
 
-    def skip(self, params, model, state, cache):
-        return state
-
     def accept(self, state, tokens, n_tokens, positions):
         return state
 
@@ -113,11 +111,19 @@ class PromptLookup:
         )
         return chain_tree(roots, chain), history
 
-    def skip(self, params, model, history, cache):
-        return history
-
     def accept(self, history, tokens, n_tokens, positions):
         return write_rows(history, tokens, positions)
+
+    def catch_up(self, params, model, history, out, n_out, root_pos):
+        """After rounds it did not see (adaptive.py): out int32[B, N] the generated tokens, the first
+        n_out[b] valid, the last of them the root at position root_pos[b]. Every generated token
+        goes to its position, as accept did round by round; the prompt's stay."""
+        first = root_pos - (n_out - 1)  # the first generated token's position
+        columns = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
+        index = columns - first[:, None]
+        generated = (index >= 0) & (index < n_out[:, None])
+        tokens = jnp.take_along_axis(out, jnp.clip(index, 0, out.shape[1] - 1), axis=1)
+        return jnp.where(generated, tokens, history)
 
     def cache_bytes(self, state) -> int:
         return 0
@@ -199,18 +205,13 @@ class DraftProposer:
         positions = jnp.where(valid, root_pos[:, None] - state.n_pending[:, None] + 1 + rows, root_pos[:, None])
         return positions, valid
 
-    def skip(self, params, model, state: DraftProposal, cache):
-        """The pending tokens go into the ring (K/V only) and nothing stays pending."""
-        positions, valid = self._pending_positions(state, cache.lengths)
-        draft = self.draft.remember(params, model, state.draft, state.pending, positions, valid)
-        return state.replace(draft=draft, n_pending=jnp.zeros_like(state.n_pending))
-
     def catch_up(self, params, model, state: DraftProposal, out, n_out, root_pos):
         """After rounds it did not see (adaptive.py runs AR rounds without updating the draft):
         out int32[B, N] the generated tokens, the first n_out[b] valid, the last of them the root
         at position root_pos[b]. The `window` tokens before the root go into the ring (K/V only;
         those already there are written again with the same K/V, which depend on token and position
-        alone) and the root is pending: the state that skip then accept, round by round, leave."""
+        alone) and the root is pending: the state that writing each round's pending tokens into
+        the ring and taking the next round's as pending leaves."""
         w = min(self.draft.window, out.shape[1])
         before_root = n_out[:, None] - 1 - w + jnp.arange(w, dtype=jnp.int32)[None, :]
         valid = before_root >= 0  # earlier tokens are the prompt's, in the ring since prefill

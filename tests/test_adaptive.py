@@ -7,6 +7,7 @@ which is what the calibration itself does."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.policy import FIRST_WAIT, PolicyState, init_policy, with_memory
-from longspec_jax.proposers import DraftProposer, NoProposal
+from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
 
@@ -220,10 +221,11 @@ def test_sampling_that_switches_candidates_matches_the_target_distribution(monke
 
 
 @pytest.mark.parametrize("rounds", [1, 5, 21])  # 21 > the ring's 8 positions: writes wrap around
-def test_a_draft_that_sits_out_ar_rounds_catches_up_to_the_same_state(target, draft, rounds):
-    """The draft's state after `rounds` AR rounds it did not see, caught up once from the output,
-    equals what skip then accept each round leave: the same ring (K/V and positions) and the
-    root pending. Two sequences with different prompt lengths."""
+def test_a_draft_that_sits_out_other_rounds_catches_up_to_the_same_state(target, draft, rounds):
+    """The draft's state after `rounds` rounds of another candidate it did not see, caught up once
+    from the output, equals what writing each round's pending tokens into the ring and taking the
+    next as pending leaves: the same ring (K/V and positions) and the root pending. Two sequences
+    with different prompt lengths."""
     from types import SimpleNamespace
 
     from flax import nnx
@@ -244,7 +246,11 @@ def test_a_draft_that_sits_out_ar_rounds_catches_up_to_the_same_state(target, dr
     round_by_round = state
     for _ in range(rounds):
         root_pos = lengths + kept - 1
-        round_by_round = proposer.skip(params, model, round_by_round, SimpleNamespace(lengths=root_pos))
+        # What a round of another candidate would have done with the draft's state: its pending
+        # tokens (the last of them the root) into the ring, K/V only.
+        positions, valid = proposer._pending_positions(round_by_round, root_pos)
+        ring = proposer.draft.remember(params, model, round_by_round.draft, round_by_round.pending, positions, valid)
+        round_by_round = round_by_round.replace(draft=ring)
         new = out[:, kept : kept + 1]
         round_by_round = proposer.accept(round_by_round, new, jnp.ones((2,), jnp.int32), root_pos + 1)
         kept += 1
@@ -257,6 +263,32 @@ def test_a_draft_that_sits_out_ar_rounds_catches_up_to_the_same_state(target, dr
     assert np.asarray(round_by_round.n_pending).tolist() == np.asarray(caught_up.n_pending).tolist() == [1, 1]
     np.testing.assert_array_equal(np.asarray(round_by_round.pending[:, 0]), np.asarray(out[:, kept - 1]))
     np.testing.assert_array_equal(np.asarray(caught_up.pending[:, 0]), np.asarray(out[:, kept - 1]))
+
+
+@pytest.mark.parametrize("rounds", [1, 4, 9])
+def test_prompt_lookup_that_sits_out_other_rounds_catches_up_to_the_same_history(rounds):
+    """Prompt lookup's history after rounds of other candidates (one to three tokens kept each),
+    caught up once from the output, equals the history its accept writes round by round, over
+    every position up to the root. Two sequences with different prompt lengths."""
+    from types import SimpleNamespace
+
+    source = PromptLookup((1, 1))
+    rng = np.random.default_rng(rounds)
+    lengths = jnp.asarray([11, 6], jnp.int32)
+    prompts = jnp.asarray(rng.integers(0, VOCAB, (2, 11)), jnp.int32)
+    out = jnp.asarray(rng.integers(0, VOCAB, (2, 40)), jnp.int32)  # token i at position length + i
+    cache = SimpleNamespace(max_len=64, lengths=lengths)
+    start = source.init((), None, cache, prompts, lengths, out[:, 0])
+    history, n_out = start, np.ones(2, np.int32)
+    for kept in rng.integers(1, 4, (rounds, 2)):
+        tokens = jnp.stack([jax.lax.dynamic_slice(out[b], (int(n_out[b]),), (3,)) for b in range(2)])
+        history = source.accept(history, tokens, jnp.asarray(kept, jnp.int32), lengths + jnp.asarray(n_out))
+        n_out = n_out + kept
+    caught_up = source.catch_up((), None, start, out, jnp.asarray(n_out), lengths + jnp.asarray(n_out) - 1)
+    for b in range(2):
+        end = int(lengths[b] + n_out[b])  # positions up to the root's
+        np.testing.assert_array_equal(np.asarray(caught_up[b, :end]), np.asarray(history[b, :end]))
+        assert np.asarray(caught_up[b, end - 1]) == np.asarray(out[b, n_out[b] - 1])  # the root
 
 
 # ----------------------------------------------------------------------------- remembered acceptance
