@@ -274,6 +274,8 @@ def decode(
     def more(s):
         return (s.rounds < stop_at) & ~jnp.all(s.done)
 
+    sampled = jnp.logical_not(sampling.greedy)
+
     if not isinstance(config.proposer, Adaptive):
 
         def body(s):
@@ -283,7 +285,7 @@ def decode(
         return jax.lax.while_loop(more, body, state)
 
     def pick(s):
-        return jnp.where(candidate >= 0, candidate, choose(s.proposal.policy)).astype(jnp.int32)
+        return jnp.where(candidate >= 0, candidate, choose(s.proposal.policy, sampled=sampled)).astype(jnp.int32)
 
     def caught_up(ran, k: int):
         """The sources that sat out a run of candidate k's rounds, brought up to date from the output."""
@@ -310,7 +312,7 @@ def decode(
     def ar_rounds(s):
         # AR rounds leave the policy's estimates alone, so the rounds until its pick changes are
         # known on entry: run them without consulting it, then record them at once.
-        n = jnp.where(candidate >= 0, stop_at, ar_rounds_before_a_retry(s.proposal.policy))
+        n = jnp.where(candidate >= 0, stop_at, ar_rounds_before_a_retry(s.proposal.policy, sampled))
         until = s.rounds + jnp.minimum(n, stop_at - s.rounds)
         ran = jax.lax.while_loop(
             lambda t: more(t) & (t.rounds < until),
@@ -322,6 +324,7 @@ def decode(
             ran.rounds - s.rounds,
             (ran.n_new - s.n_new).sum(),
             (ran.active_rounds - s.active_rounds).sum(),
+            sampled,
         )
         return caught_up(ran.replace(proposal=ran.proposal.replace(policy=policy)), AR)
 

@@ -12,9 +12,11 @@ as the rounds behind it), and picks
     argmax_k  tokens_per_round[k] / seconds_per_round[k]
 
 When sampling, a round's tokens are mostly luck (a drawn token is kept or not) while their
-mean moves little with the text, so the average reaches further back (SAMPLED_EMA_WEIGHT): a drawn
+mean moves little with the text, so the average reaches further back (SAMPLED_EMA_WEIGHT), and each
+estimate is judged by an upper confidence bound, SAMPLED_BONUS / sqrt(rounds) above it: a drawn
 token that keeps 1.5 tokens a round where 1.36 break even (T = 1 on the H200) would otherwise drop
-below break-even after a few unlucky rounds and wait out its retries on AR (`tests/test_policy.py`).
+below break-even after a few unlucky rounds and wait out its retries on AR (`tests/test_policy.py`);
+one that never keeps a token is dropped after six rounds.
 AR emits exactly one token per round, so its estimate is fixed at 1. A candidate that is not picked
 gathers no evidence, so a losing candidate is retried after `wait[k]` rounds times what its round
 costs against the best's (a retry costs that much, so an expensive candidate is retried as much
@@ -39,6 +41,7 @@ from flax import struct
 
 EMA_WEIGHT = 0.125  # weight of the newest round in a candidate's estimate (tau per round is noisy)
 SAMPLED_EMA_WEIGHT = 1 / 64  # ... when sampling (what a round keeps is luck; what it keeps on average moves slowly)
+SAMPLED_BONUS = 0.75  # when sampling, tokens added to an estimate of n rounds, over sqrt(n): 1.5 rounds' spread
 FIRST_WAIT = 8  # rounds before a losing candidate is first retried
 MAX_WAIT = 256  # ... and at most this many after repeated losses
 AR = 0  # candidate 0 is always the plain target step
@@ -126,9 +129,18 @@ def with_memory(policy: PolicyState, tokens_per_round, wait, rounds) -> PolicySt
     )
 
 
-def expected_rates(policy: PolicyState) -> jax.Array:
-    """float32[K]: estimated tokens per second of each candidate."""
-    return policy.tokens_per_round / policy.seconds_per_round
+def expected_rates(policy: PolicyState, sampled=False, xp=jnp) -> jax.Array:
+    """float32[K]: estimated tokens per second of each candidate. sampled (bool, may be traced): the
+    request samples, and each estimate other than AR's counts SAMPLED_BONUS / sqrt(its rounds)
+    tokens more (an upper confidence bound): a drawn token is kept or not at random, so a few
+    rounds say little, and a candidate that paid was otherwise dropped after a few unlucky first
+    rounds and, retried one round at a time, rarely won its place back (mode auto then ran AR for
+    whole requests at T = 1, and remembered that for the next ones). The bonus fades as the rounds
+    add up; one that does not pay keeps it only while its margin is within it."""
+    k = policy.tokens_per_round.shape[0]
+    bonus = SAMPLED_BONUS / xp.sqrt(xp.maximum(policy.evidence, 1.0))
+    bonus = xp.where(sampled & (xp.arange(k) != AR), bonus, 0.0)
+    return (policy.tokens_per_round + bonus) / policy.seconds_per_round
 
 
 def _rounds_overdue(policy: PolicyState, best, xp):
@@ -138,13 +150,13 @@ def _rounds_overdue(policy: PolicyState, best, xp):
     return policy.since_used - xp.minimum(policy.wait * relative_cost, MAX_WAIT)
 
 
-def choose(policy: PolicyState, xp=jnp):
+def choose(policy: PolicyState, xp=jnp, sampled=False):
     """The candidate for the next round: the best by expected rate, unless another one has waited
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
     74-node tree round costs twenty AR steps and can keep six tokens. xp: jnp on the device, numpy
-    for a policy read back to the host."""
-    rates = expected_rates(policy)
+    for a policy read back to the host; sampled: as in `expected_rates`."""
+    rates = expected_rates(policy, sampled, xp)
     best = xp.argmax(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     overdue = _rounds_overdue(policy, best, xp)
@@ -154,13 +166,13 @@ def choose(policy: PolicyState, xp=jnp):
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
 
 
-def ar_rounds_before_a_retry(policy: PolicyState) -> jax.Array:
+def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
     """int32[]: how many AR rounds in a row `choose` picks from here, given that it picks AR now.
     AR rounds change no estimate (AR's is fixed at 1), so the best stays AR and only the retry
     clocks advance: the pick changes when the first candidate's retry falls due. The loop runs
     that many AR rounds without consulting the policy each round (decode_loop.decode) and
     records them at once (`record_ar_rounds`); the picks are the same as round by round."""
-    rates = expected_rates(policy)
+    rates = expected_rates(policy, sampled)
     best = jnp.argmax(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     candidates = jnp.arange(policy.since_used.shape[0])
@@ -171,21 +183,23 @@ def ar_rounds_before_a_retry(policy: PolicyState) -> jax.Array:
     return jnp.maximum(jnp.min(jnp.where(eligible, due_in, never)), 1)
 
 
-def record_ar_rounds(policy: PolicyState, rounds: jax.Array, kept: jax.Array, active: jax.Array) -> PolicyState:
+def record_ar_rounds(
+    policy: PolicyState, rounds: jax.Array, kept: jax.Array, active: jax.Array, sampled=False
+) -> PolicyState:
     """`record` of `rounds` (int32[]) AR rounds in a row that kept `kept` tokens while `active`
     sequences ran, in all (int32[] each): the same state as recording them one by one (AR's
     estimate is fixed, so only the clocks and counters move)."""
-    return _advance_clocks(policy, jnp.int32(AR), rounds, kept, active)
+    return _advance_clocks(policy, jnp.int32(AR), rounds, kept, active, sampled)
 
 
-def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active) -> PolicyState:
+def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active, sampled) -> PolicyState:
     """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits,
     rounds since each candidate ran, and the stats counters. A round of a candidate that is not
     the best (a retry) doubles its wait; the best's wait resets."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     ran = rounds > 0
-    best = jnp.argmax(expected_rates(policy))
+    best = jnp.argmax(expected_rates(policy, sampled))
     doubled = jnp.minimum(policy.wait * (1 << jnp.minimum(rounds, 8)), MAX_WAIT)
     wait = jnp.where(is_chosen & (chosen != best) & ran, doubled, policy.wait)
     wait = jnp.where((jnp.arange(k) == best) & ran, FIRST_WAIT, wait)
@@ -233,4 +247,4 @@ def record(
     weight = jnp.maximum(1.0 / (policy.evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     policy = policy.replace(tokens_per_round=estimate, evidence=policy.evidence + ran.astype(jnp.float32))
-    return _advance_clocks(policy, chosen, jnp.int32(1), kept, active)
+    return _advance_clocks(policy, chosen, jnp.int32(1), kept, active, sampled)

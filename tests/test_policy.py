@@ -24,7 +24,7 @@ def simulate(policy, tokens, sampled=False):
     request samples. -> (policy, int32[rounds] the candidate chosen each round)."""
 
     def round_(p, row):
-        k = choose(p)
+        k = choose(p, sampled=sampled)
         return record(p, k, row[k], jnp.int32(1), sampled=sampled), k
 
     return jax.lax.scan(round_, policy, tokens)
@@ -286,3 +286,26 @@ def test_sampling_a_candidate_that_does_not_pay_runs_ar():
     start = init_policy(seconds, max_tokens=[1, 2])
     _, chosen = simulate(start, tokens, True)
     assert rate_of(np.asarray(chosen), tokens, seconds) >= 0.98
+
+
+def test_sampling_a_candidate_that_pays_is_not_dropped_for_an_unlucky_start():
+    # A fresh request (no memory) at T = 1: the drawn token keeps one token in each of its first
+    # four rounds, then half the time (1.5 a round for 1.36 AR steps: it pays). Judged by its
+    # estimate alone it fell below break-even at once and, retried a round at a time, ran AR.
+    seconds = [1.0, 1.36]
+    tokens = _drawn_token_rounds(0.5, rounds=400, seed=3)
+    tokens[:4, 1] = 1
+    start = with_costs(init_policy(jnp.ones(2), max_tokens=[1, 2]), seconds)
+    _, chosen = simulate(start, tokens, True)
+    assert np.mean(np.asarray(chosen) == 1) >= 0.9
+    best_fixed = tokens[:, 1].sum() / (seconds[1] * len(tokens))
+    assert rate_of(np.asarray(chosen), tokens, seconds) >= 0.95 * best_fixed
+
+
+def test_sampling_a_useless_draft_is_dropped_within_a_few_rounds():
+    seconds = [1.0, 1.36]
+    tokens = _drawn_token_rounds(0.0, rounds=400)  # never kept
+    start = with_costs(init_policy(jnp.ones(2), max_tokens=[1, 2]), seconds)
+    _, chosen = simulate(start, tokens, True)
+    chosen = np.asarray(chosen)
+    assert chosen[8:].sum() <= 6, np.flatnonzero(chosen)  # the first trial ends within eight rounds
