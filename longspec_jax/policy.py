@@ -129,6 +129,17 @@ def with_memory(policy: PolicyState, tokens_per_round, wait, rounds) -> PolicySt
     )
 
 
+def first_max(values, xp=jnp):
+    """The index of the first largest of values [K] (jnp.argmax's answer, NaN aside), unrolled over
+    the few static candidates: compares and selects that XLA fuses with the rest of the policy's
+    per-round arithmetic, where a reduction would cost a kernel of its own each round."""
+    best, index = values[0], xp.int32(0)
+    for k in range(1, values.shape[0]):
+        better = values[k] > best
+        best, index = xp.where(better, values[k], best), xp.where(better, xp.int32(k), index)
+    return index
+
+
 def expected_rates(policy: PolicyState, sampled=False, xp=jnp) -> jax.Array:
     """float32[K]: estimated tokens per second of each candidate. sampled (bool, may be traced): the
     request samples, and each estimate other than AR's counts SAMPLED_BONUS / sqrt(its rounds)
@@ -157,12 +168,12 @@ def choose(policy: PolicyState, xp=jnp, sampled=False):
     74-node tree round costs twenty AR steps and can keep six tokens. xp: jnp on the device, numpy
     for a policy read back to the host; sampled: as in `expected_rates`."""
     rates = expected_rates(policy, sampled, xp)
-    best = xp.argmax(rates)
+    best = first_max(rates, xp)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     overdue = _rounds_overdue(policy, best, xp)
     candidates = xp.arange(policy.since_used.shape[0])
     overdue = xp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
-    retry = xp.argmax(overdue)
+    retry = first_max(overdue, xp)
     return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
 
 
@@ -173,7 +184,7 @@ def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
     that many AR rounds without consulting the policy each round (decode_loop.decode) and
     records them at once (`record_ar_rounds`); the picks are the same as round by round."""
     rates = expected_rates(policy, sampled)
-    best = jnp.argmax(rates)
+    best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     candidates = jnp.arange(policy.since_used.shape[0])
     eligible = (candidates != best) & (candidates != AR) & could_win
@@ -199,7 +210,7 @@ def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active, sampled) 
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     ran = rounds > 0
-    best = jnp.argmax(expected_rates(policy, sampled))
+    best = first_max(expected_rates(policy, sampled))
     doubled = jnp.minimum(policy.wait * (1 << jnp.minimum(rounds, 8)), MAX_WAIT)
     wait = jnp.where(is_chosen & (chosen != best) & ran, doubled, policy.wait)
     wait = jnp.where((jnp.arange(k) == best) & ran, FIRST_WAIT, wait)
