@@ -36,7 +36,15 @@ from longspec_jax.acceptance import Acceptance, accept, accept_drawn_chain
 from longspec_jax.adaptive import Adaptive
 from longspec_jax.decode_kit import StopRule
 from longspec_jax.model import BlockKV, KVCache, Transformer, commit
-from longspec_jax.policy import AR, ar_rounds_before_a_retry, batch_progress, choose, record, record_ar_rounds
+from longspec_jax.policy import (
+    AR,
+    ar_rounds_before_a_retry,
+    batch_progress,
+    choose,
+    count_rounds,
+    record,
+    record_ar_rounds,
+)
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, filtered_log_probs, pick_token
 from longspec_jax.tree import Tree, node_depths
@@ -201,10 +209,11 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         own = adaptive.sources[mine].accept(proposed, emitted, n_keep, positions)
         accepted = tuple(own if j == mine else s for j, s in enumerate(sources))
         kept, active = n_keep.sum(), (~state.done).sum()
-        policy = state.proposal.policy  # AR rounds are recorded together (decode)
+        policy = state.proposal.policy  # AR rounds are recorded together, and every run counted at its end (decode)
         if k != AR:
             progress = batch_progress(state.n_new, n_keep, ~state.done)
-            policy = record(policy, jnp.int32(k), kept, active, progress, sampled=jnp.logical_not(sampling.greedy))
+            sampled = jnp.logical_not(sampling.greedy)
+            policy = record(policy, jnp.int32(k), kept, active, progress, sampled=sampled, counted=False)
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)
@@ -305,7 +314,14 @@ def decode(
                 lambda s: run_round(config, params, proposer_params, s, sampling, k),
                 s,
             )
-            return caught_up(ran, k)
+            policy = count_rounds(
+                ran.proposal.policy,
+                jnp.int32(k),
+                ran.rounds - s.rounds,
+                (ran.n_new - s.n_new).sum(),
+                (ran.active_rounds - s.active_rounds).sum(),
+            )
+            return caught_up(ran.replace(proposal=ran.proposal.replace(policy=policy)), k)
 
         return run
 

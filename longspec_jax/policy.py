@@ -200,13 +200,26 @@ def record_ar_rounds(
     """`record` of `rounds` (int32[]) AR rounds in a row that kept `kept` tokens while `active`
     sequences ran, in all (int32[] each): the same state as recording them one by one (AR's
     estimate is fixed, so only the clocks and counters move)."""
-    return _advance_clocks(policy, jnp.int32(AR), rounds, kept, active, sampled)
+    policy = _advance_clocks(policy, jnp.int32(AR), rounds, sampled)
+    return count_rounds(policy, jnp.int32(AR), rounds, kept, active)
 
 
-def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active, sampled) -> PolicyState:
-    """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits,
-    rounds since each candidate ran, and the stats counters. A round of a candidate that is not
-    the best (a retry) doubles its wait; the best's wait resets."""
+def count_rounds(policy: PolicyState, chosen, rounds, kept, active) -> PolicyState:
+    """The stats counters after `rounds` rounds of candidate `chosen` that kept `kept` tokens while
+    `active` sequences ran, in all. `choose` does not read them, so the loop counts a run's rounds
+    once at its end (decode_loop.decode) rather than in every round (`record(..., counted=False)`)."""
+    is_chosen = jnp.arange(policy.rounds.shape[0]) == chosen
+    return policy.replace(
+        rounds=policy.rounds + jnp.where(is_chosen, rounds, 0).astype(jnp.int32),
+        emitted=policy.emitted + jnp.where(is_chosen, kept, 0).astype(jnp.int32),
+        active=policy.active + jnp.where(is_chosen, active, 0).astype(jnp.int32),
+    )
+
+
+def _advance_clocks(policy: PolicyState, chosen, rounds, sampled) -> PolicyState:
+    """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits and
+    rounds since each candidate ran. A round of a candidate that is not the best (a retry) doubles
+    its wait; the best's wait resets."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     ran = rounds > 0
@@ -217,9 +230,6 @@ def _advance_clocks(policy: PolicyState, chosen, rounds, kept, active, sampled) 
     return policy.replace(
         since_used=jnp.where(is_chosen, jnp.where(ran, 0, policy.since_used), policy.since_used + rounds),
         wait=wait,
-        rounds=policy.rounds + jnp.where(is_chosen, rounds, 0).astype(jnp.int32),
-        emitted=policy.emitted + jnp.where(is_chosen, kept, 0).astype(jnp.int32),
-        active=policy.active + jnp.where(is_chosen, active, 0).astype(jnp.int32),
     )
 
 
@@ -241,13 +251,19 @@ def batch_progress(n_new: jax.Array, n_keep: jax.Array, running: jax.Array) -> j
 
 
 def record(
-    policy: PolicyState, chosen: jax.Array, kept: jax.Array, active: jax.Array, progress=None, sampled=False
+    policy: PolicyState,
+    chosen: jax.Array,
+    kept: jax.Array,
+    active: jax.Array,
+    progress=None,
+    sampled=False,
+    counted: bool = True,
 ) -> PolicyState:
     """After a round of candidate `chosen` in which `active` sequences (int32[]) kept `kept` tokens
-    in total (int32[]): update its estimate and the retry clocks. progress (float32[], optional):
-    what the round is worth to the batch (`batch_progress`); when given, the estimate follows it
-    instead of the mean tokens a sequence kept. sampled (bool, may be traced): the request samples,
-    so the estimate settles more slowly (SAMPLED_EMA_WEIGHT)."""
+    in total (int32[]): update its estimate, the retry clocks and (counted) the stats counters.
+    progress (float32[], optional): what the round is worth to the batch (`batch_progress`); when
+    given, the estimate follows it instead of the mean tokens a sequence kept. sampled (bool, may be
+    traced): the request samples, so the estimate settles more slowly (SAMPLED_EMA_WEIGHT)."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     per_sequence = kept.astype(jnp.float32) / jnp.maximum(active, 1).astype(jnp.float32)
@@ -258,4 +274,5 @@ def record(
     weight = jnp.maximum(1.0 / (policy.evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     policy = policy.replace(tokens_per_round=estimate, evidence=policy.evidence + ran.astype(jnp.float32))
-    return _advance_clocks(policy, chosen, jnp.int32(1), kept, active, sampled)
+    policy = _advance_clocks(policy, chosen, jnp.int32(1), sampled)
+    return count_rounds(policy, chosen, jnp.int32(1), kept, active) if counted else policy

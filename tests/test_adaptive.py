@@ -154,6 +154,7 @@ def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, 
     assert auto.tokens == ar.tokens
     assert all(r > 0 for r in rounds_of(auto).values())
     assert auto.stats.policy["candidate_runs"] >= 9  # each forced round was a run of its own
+    assert sum(rounds_of(auto).values()) == auto.stats.rounds  # each run's rounds, counted at its end
 
 
 def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(target, draft, monkeypatch):
