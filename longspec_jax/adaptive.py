@@ -85,8 +85,8 @@ class Adaptive:
         """Whether source `source` sits out the rounds of candidate `candidate` and catches up after
         the run (`catch_up`): every source with state that is not the candidate's own. Kept round by
         round instead, the draft would run a projection and a ring write, and prompt lookup a history
-        write, in every round of another candidate (mode auto's rounds then took ~5 % longer than the
-        same candidate's fixed rounds on the H200); a catch-up costs about one such round per run."""
+        write, in every round of another candidate, and the draft's pending rows would have to hold
+        the longest chain's tokens; a catch-up costs about one such round per run."""
         return source != self.candidates[candidate].source and not isinstance(self.sources[source], NoProposal)
 
     @property

@@ -129,18 +129,18 @@ def with_memory(policy: PolicyState, tokens_per_round, wait, rounds) -> PolicySt
     )
 
 
-def first_max(values, xp=jnp):
+def first_max(values):
     """The index of the first largest of values [K] (jnp.argmax's answer, NaN aside), unrolled over
     the few static candidates: compares and selects that XLA fuses with the rest of the policy's
     per-round arithmetic, where a reduction would cost a kernel of its own each round."""
-    best, index = values[0], xp.int32(0)
+    best, index = values[0], jnp.int32(0)
     for k in range(1, values.shape[0]):
         better = values[k] > best
-        best, index = xp.where(better, values[k], best), xp.where(better, xp.int32(k), index)
+        best, index = jnp.where(better, values[k], best), jnp.where(better, jnp.int32(k), index)
     return index
 
 
-def expected_rates(policy: PolicyState, sampled=False, xp=jnp) -> jax.Array:
+def expected_rates(policy: PolicyState, sampled=False) -> jax.Array:
     """float32[K]: estimated tokens per second of each candidate. sampled (bool, may be traced): the
     request samples, and each estimate other than AR's counts SAMPLED_BONUS / sqrt(its rounds)
     tokens more (an upper confidence bound): a drawn token is kept or not at random, so a few
@@ -149,32 +149,31 @@ def expected_rates(policy: PolicyState, sampled=False, xp=jnp) -> jax.Array:
     whole requests at T = 1, and remembered that for the next ones). The bonus fades as the rounds
     add up; one that does not pay keeps it only while its margin is within it."""
     k = policy.tokens_per_round.shape[0]
-    bonus = SAMPLED_BONUS / xp.sqrt(xp.maximum(policy.evidence, 1.0))
-    bonus = xp.where(sampled & (xp.arange(k) != AR), bonus, 0.0)
+    bonus = SAMPLED_BONUS / jnp.sqrt(jnp.maximum(policy.evidence, 1.0))
+    bonus = jnp.where(sampled & (jnp.arange(k) != AR), bonus, 0.0)
     return (policy.tokens_per_round + bonus) / policy.seconds_per_round
 
 
-def _rounds_overdue(policy: PolicyState, best, xp):
+def _rounds_overdue(policy: PolicyState, best):
     """float[K]: rounds since each candidate last ran, less its retry wait (its `wait` scaled by what
     its round costs against the best's, at most MAX_WAIT); >= 0 when a retry is due."""
-    relative_cost = xp.maximum(policy.seconds_per_round / policy.seconds_per_round[best], 1.0)
-    return policy.since_used - xp.minimum(policy.wait * relative_cost, MAX_WAIT)
+    relative_cost = jnp.maximum(policy.seconds_per_round / policy.seconds_per_round[best], 1.0)
+    return policy.since_used - jnp.minimum(policy.wait * relative_cost, MAX_WAIT)
 
 
-def choose(policy: PolicyState, xp=jnp, sampled=False):
+def choose(policy: PolicyState, sampled=False):
     """The candidate for the next round: the best by expected rate, unless another one has waited
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
-    74-node tree round costs twenty AR steps and can keep six tokens. xp: jnp on the device, numpy
-    for a policy read back to the host; sampled: as in `expected_rates`."""
-    rates = expected_rates(policy, sampled, xp)
-    best = first_max(rates, xp)
+    74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`."""
+    rates = expected_rates(policy, sampled)
+    best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
-    overdue = _rounds_overdue(policy, best, xp)
-    candidates = xp.arange(policy.since_used.shape[0])
-    overdue = xp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
-    retry = first_max(overdue, xp)
-    return xp.where(overdue[retry] >= 0, retry, best).astype(xp.int32)
+    overdue = _rounds_overdue(policy, best)
+    candidates = jnp.arange(policy.since_used.shape[0])
+    overdue = jnp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
+    retry = first_max(overdue)
+    return jnp.where(overdue[retry] >= 0, retry, best).astype(jnp.int32)
 
 
 def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
@@ -189,7 +188,7 @@ def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
     candidates = jnp.arange(policy.since_used.shape[0])
     eligible = (candidates != best) & (candidates != AR) & could_win
     # A retry of k is due once since_used[k] reaches its threshold (_rounds_overdue >= 0).
-    due_in = jnp.ceil(-_rounds_overdue(policy, best, jnp)).astype(jnp.int32)
+    due_in = jnp.ceil(-_rounds_overdue(policy, best)).astype(jnp.int32)
     never = jnp.iinfo(jnp.int32).max // 2
     return jnp.maximum(jnp.min(jnp.where(eligible, due_in, never)), 1)
 

@@ -206,7 +206,7 @@ class DraftProposer:
         return positions, valid
 
     def catch_up(self, params, model, state: DraftProposal, out, n_out, root_pos):
-        """After rounds it did not see (adaptive.py runs AR rounds without updating the draft):
+        """After rounds of another candidate it did not see (adaptive.py):
         out int32[B, N] the generated tokens, the first n_out[b] valid, the last of them the root
         at position root_pos[b]. The `window` tokens before the root go into the ring (K/V only;
         those already there are written again with the same K/V, which depend on token and position
