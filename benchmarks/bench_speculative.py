@@ -1,4 +1,4 @@
-"""Per-round cost of LongSpec speculative decoding on 7B-shaped random-weight targets (GPU).
+"""Per-round cost of LongSpec speculative decoding on 7B-shaped (and SmolLM2-shaped) random-weight targets (GPU).
 
     python -m benchmarks.bench_speculative                    # Vicuna-7B and Llama-3-8B shapes, bf16, 4k..64k
     python -m benchmarks.bench_speculative --small            # tiny config on CPU: a smoke test of this script
@@ -13,7 +13,12 @@ matmul cost do not depend on the values) it times, with a random draft (bf16) an
     sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
     a launch and host sync, and loses fusion across its boundaries);
   - AR: the same loop in mode ar, per step at the same context, beside its bytes floor (weights
-    + the K/V rows it attends, at the device-to-device copy rate measured in the same run).
+    + the K/V rows it attends, at the device-to-device copy rate measured in the same run);
+  - the draft's floor: what its steps must read (per step the block's weights, the shared LM head
+    and the target's last-layer K/V it cross-attends), at the same rate; and the verify against
+    the AR step, whose bytes it reads once more.
+--trace DIR also records one more run of each loop under the profiler and prints where its GPU time
+goes per round (or step) by kernel class and the kernels that took most (`trace_round`'s summary).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
 --fused-projections also runs its projections as fused Pallas kernels (with --impl pallas).
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
@@ -26,14 +31,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth
+from benchmarks.trace_round import print_summary, print_top, summarise
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.decode_loop import LoopConfig, decode, start
@@ -50,6 +59,7 @@ from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
 SHAPES = {
     "vicuna7b": timing_shape("vicuna7b", 131072),
     "llama3_8b": timing_shape("llama31_8b", 131072),  # Llama-3-8B and 3.1 differ only in RoPE scaling
+    "smollm2_135m": timing_shape("smollm2_135m", 131072),  # the embedded target's shape
     "tiny": ModelConfig(
         model_type="llama",
         vocab_size=128,
@@ -75,8 +85,20 @@ class Row:
     parts_sum_ms: float = float("nan")
     ar_ms: float = float("nan")
     ar_floor_ms: float = float("nan")
+    draft_floor_ms: float = float("nan")
     draft_cache_mib: float = float("nan")
     error: str = ""
+
+
+def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int:
+    """Bytes the draft's `depth` steps of a round must read: each step the block's weights, the
+    shared LM head and the target's last-layer K/V at `context` rows a sequence (the ring, at most
+    the window's rows of one layer, left out)."""
+    weights = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    head = model.embed if model.lm_head is None else model.lm_head
+    c = model.config
+    kv = 2 * batch * context * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+    return int(depth * (weights(nnx.state(draft.block)) + weights(head[...]) + kv))
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -91,7 +113,20 @@ def loop_state(target, params, proposer_params, *, context, batch, config, slack
     return run_start(*args)
 
 
-def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl):
+def traced(trace_dir: Path | None, label: str, run, make, steps: int, top: int = 25) -> None:
+    """One more run of `run` on a fresh state under the profiler, summarised per round (or step)."""
+    if trace_dir is None:
+        return
+    state = make()
+    with jax.profiler.trace(str(trace_dir / label), create_perfetto_trace=True):
+        jax.block_until_ready(run(state))
+    del state
+    trace = json.load(gzip.open(max((trace_dir / label).glob("**/perfetto_trace.json.gz"))))
+    print_summary(label, summarise(trace, steps))
+    print_top(trace, steps, top)
+
+
+def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl, trace_dir=None):
     """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes)."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
@@ -118,11 +153,14 @@ def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, r
         state, seconds = timed(run_decode, params, draft_params, state if not per_round else make(), stop_at, sampling)
         per_round.append(seconds / rounds)
         del state
+    traced(
+        trace_dir, f"round_{context}", lambda st: run_decode(params, draft_params, st, stop_at, sampling), make, rounds
+    )
     parts, state = profile_round(config, params, draft_params, make(), sampling, repeats=rounds)
     return 1e3 * statistics.median(per_round[1:]), parts, proposer.cache_bytes(state.proposal)
 
 
-def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
+def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl, trace_dir=None):
     """ms per AR step inside the device loop."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)
@@ -138,6 +176,7 @@ def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl):
         state, seconds = timed(run_decode, params, (), state if not per_step else make(), stop_at, sampling)
         per_step.append(seconds / steps)
         del state
+    traced(trace_dir, f"ar_{context}", lambda st: run_decode(params, (), st, stop_at, sampling), make, steps)
     return 1e3 * statistics.median(per_step[1:])
 
 
@@ -153,6 +192,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tau", type=float, default=3.5, help="tokens per round assumed for the projected speedup")
     p.add_argument("--fused-projections", action="store_true", help="the target's projections as fused Pallas kernels")
+    p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     args = p.parse_args(argv)
     shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
     contexts = [int(c) for c in (args.contexts or ("64,256" if args.small else "4096,16384,32768,65536")).split(",")]
@@ -183,6 +223,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for context in contexts:
             row = Row(shape, context)
             row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
+            row.draft_floor_ms = 1e3 * draft_round_bytes(model, draft, context, args.batch, len(widths)) / bandwidth
             try:
                 row.round_ms, parts, draft_bytes = bench_longspec(
                     target,
@@ -195,6 +236,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     rounds=rounds,
                     repeats=args.repeats,
                     impl=args.impl,
+                    trace_dir=args.trace and args.trace / shape,
                 )
                 row.draft_ms, row.verify_ms, row.accept_ms = parts["draft_ms"], parts["verify_ms"], parts["accept_ms"]
                 row.parts_sum_ms = parts["parts_sum_ms"]
@@ -208,6 +250,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     steps=rounds,
                     repeats=args.repeats,
                     impl=args.impl,
+                    trace_dir=args.trace and args.trace / shape,
                 )
             except Exception as e:  # out of memory at a long context is a row, not a crash
                 row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
@@ -221,17 +264,21 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
     )
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
+    print("dr fl: the draft's bytes floor per round; ver/AR: the verify against the AR step (it reads as much).")
     print(
-        f"{'shape':<11}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'verify':>8}{'accept':>8}"
-        f"{'AR ms':>8}{'floor':>8}{'AR/fl':>7}{'rnd/AR':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
+        f"{'shape':<13}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}{'verify':>8}"
+        f"{'ver/AR':>7}{'accept':>8}{'AR ms':>8}{'floor':>8}{'AR/fl':>7}{'rnd/AR':>8}{'AR tok/s':>10}{'proj. x':>9}"
+        f"{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
             print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
             continue
         print(
-            f"{r.shape:<11}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
-            f"{r.verify_ms:>8.2f}{r.accept_ms:>8.2f}{r.ar_ms:>8.2f}{r.ar_floor_ms:>8.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"
+            f"{r.shape:<13}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
+            f"{r.draft_floor_ms:>7.2f}{r.draft_ms / r.draft_floor_ms:>7.2f}"
+            f"{r.verify_ms:>8.2f}{r.verify_ms / r.ar_ms:>7.2f}{r.accept_ms:>8.2f}"
+            f"{r.ar_ms:>8.2f}{r.ar_floor_ms:>8.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"
             f"{r.round_ms / r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
             f"{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
         )

@@ -9,6 +9,8 @@ carried by the loop and so updated in place. The time is per layer: loop seconds
 layers. Each knob is varied alone from the best configuration so far, twice round.
 
     python -m benchmarks.tune_decode_attention --shape smollm2_135m --batches 1,8 --tree-sizes 1,25,69
+    python -m benchmarks.tune_decode_attention --shape vicuna7b --tree-sizes 64,69 --context 32768 \
+        --layers 8 --defaults-only
 """
 
 from __future__ import annotations
@@ -81,8 +83,11 @@ def layer_seconds(config, inputs, layers: int, knobs: dict) -> float:
     return best / ITERATIONS / layers
 
 
-def tune(config, batch: int, t: int, context: int, layers: int, log=print) -> tuple[dict, float, float]:
-    """(best knobs, its us per layer, the default's us per layer) at one shape."""
+def tune(
+    config, batch: int, t: int, context: int, layers: int, log=print, search: bool = True
+) -> tuple[dict, float, float]:
+    """(best knobs, its us per layer, the default's us per layer) at one shape; search=False times
+    the default alone."""
     capacity = context + 512
     inputs = make_inputs(config, batch, t, context, capacity, layers)
     seen: dict[tuple, float] = {}
@@ -100,7 +105,7 @@ def tune(config, batch: int, t: int, context: int, layers: int, log=print) -> tu
     best = dict(DEFAULT)
     default_us = best_us = measure(best)
     log(f"  B={batch} T={t}: default {default_us:.2f} us/layer")
-    for _, (name, values) in itertools.product(range(2), KNOBS.items()):
+    for _, (name, values) in itertools.product(range(2 if search else 0), KNOBS.items()):
         for value in values:
             trial = {**best, name: value}
             us = measure(trial)
@@ -117,6 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-sizes", default="1,25,69", help="T: 1 is the AR step, more a verified tree")
     parser.add_argument("--context", type=int, default=4500, help="cache rows already held")
     parser.add_argument("--layers", type=int, default=None, help="layer calls per iteration (the model's)")
+    parser.add_argument("--defaults-only", action="store_true", help="time the launch the model uses, no search")
     args = parser.parse_args(argv)
     config = MODEL_SHAPES[args.shape]
     layers = args.layers or config.num_layers
@@ -124,7 +130,7 @@ def main(argv=None) -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for t in (int(x) for x in args.tree_sizes.split(",")):
-            best, best_us, default_us = tune(config, batch, t, args.context, layers)
+            best, best_us, default_us = tune(config, batch, t, args.context, layers, search=not args.defaults_only)
             rows.append((batch, t, default_us, best_us, best))
     print(
         "\n| B | T | default us/layer | best us/layer | gain | best knobs |\n| ---: | ---: | ---: | ---: | ---: | --- |"

@@ -34,3 +34,17 @@ def test_one_configuration_runs_the_kernel_in_a_device_loop(monkeypatch):
     inputs = tune_module.make_inputs(TINY, 1, 3, 40, 64, 1)
     seconds = tune_module.layer_seconds(TINY, inputs, 1, dict(tune_module.DEFAULT))
     assert 0 < seconds < 60
+
+
+def test_defaults_only_times_the_default_alone(monkeypatch):
+    tried = []
+
+    def fake_seconds(config, inputs, layers, knobs):
+        tried.append(dict(knobs))
+        return 3e-6
+
+    monkeypatch.setattr(tune_module, "layer_seconds", fake_seconds)
+    monkeypatch.setattr(tune_module, "make_inputs", lambda *args: None)
+    best, best_us, default_us = tune_module.tune(TINY, 1, 3, 40, 1, log=lambda line: None, search=False)
+    assert tried == [tune_module.DEFAULT] and best == tune_module.DEFAULT
+    assert best_us == default_us == pytest.approx(3.0)

@@ -1,0 +1,20 @@
+"""benchmarks/bench_speculative.py's draft floor: what a round's draft steps must read."""
+
+import jax.numpy as jnp
+
+from benchmarks.bench_speculative import SHAPES, draft_round_bytes
+from longspec_jax.draft_io import init_draft
+from longspec_jax.target import random_target
+
+
+def test_draft_floor_reads_block_head_and_last_layer_cache_each_step():
+    target = random_target(SHAPES["tiny"], dtype="float32")
+    model, draft = target.decode_model(), init_draft(target, seed=1)
+    one = draft_round_bytes(model, draft, context=64, batch=1, depth=1)
+    assert draft_round_bytes(model, draft, context=64, batch=1, depth=5) == 5 * one
+    c = model.config
+    per_row = 2 * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
+    assert draft_round_bytes(model, draft, context=96, batch=1, depth=1) - one == 32 * per_row
+    assert draft_round_bytes(model, draft, context=64, batch=2, depth=1) - one == 64 * per_row
+    head = c.vocab_size * c.hidden_size * 4
+    assert one > head + 64 * per_row  # and the block's weights
