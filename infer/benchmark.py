@@ -2,7 +2,7 @@
 
     python -m infer.benchmark --eval-dir infer/eval_sets/smollm2 [--target PATH] [--draft PATH]
         [--modes ar,pld,longspec,auto,longspec:8-8-8,pld:1] [--temperatures 0,1] [--max-new-tokens 256] [--limit N]
-        [--tasks code_completion,summarisation,prefill_length] [--tree-widths 4,16,16,16,16]
+        [--tasks code_completion,summarisation,prefill_length] [--tree-widths 4,16,16,16,11]
         [--json-out F] [--runs-out F [--resume]] [--profile] [--ignore-eos] [--repeats N]
     python -m infer.benchmark --summarise RUNS.jsonl [RUNS.jsonl ...] [--json-out F]
 
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ar-attn-impl",
         help="the AR baseline's attention (default: --attn-impl, i.e. what `--mode ar` runs)",
     )
-    p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,16)")
+    p.add_argument("--tree-widths", help="longspec's tree widths per depth, e.g. 4,16,16,16 (default 4,16,16,16,11)")
     p.add_argument(
         "--repeats",
         type=int,

@@ -27,7 +27,12 @@ from flax import struct
 
 from longspec_jax.errors import UserError
 
-DEFAULT_WIDTHS = (4, 16, 16, 16, 16)
+# 63 draft nodes and the root: 64 verified rows, a whole query tile of the verify's attention kernel
+# without GQA (64 rows) and two at a GQA group of 4 (256), where 69 rows (a last level of 16) ran
+# 128-row tiles half empty: on the H200 at 32k cached keys the tree's attention took 17-23 % less a
+# layer (Vicuna-7B, Llama-3-8B shapes), and the smaller last level kept as much (SmolLM2 with its
+# draft, CPU-measured tau 5.32 / 2.96 on code / summaries against 5.32 / 2.99; BENCHMARKS.md).
+DEFAULT_WIDTHS = (4, 16, 16, 16, 11)
 # The verification kernel takes the whole tree (root included) as one block of at most this many rows.
 MAX_TREE_NODES = 128
 # vocab_top_k's two-stage selection (timed on the H200 at a 49k vocabulary): from this k on, up to

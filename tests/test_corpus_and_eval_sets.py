@@ -409,14 +409,14 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert by_mode["longspec"]["tree_widths"] == [2, 3] and by_mode["longspec"]["matches_ar"] is True
 
     assert benchmark.main([*common, "--modes", "longspec", "--json-out", str(out)]) == 0
-    assert json.loads(out.read_text())["runs"][0]["tree_widths"] == [4, 16, 16, 16, 16]  # the engine's default
+    assert json.loads(out.read_text())["runs"][0]["tree_widths"] == [4, 16, 16, 16, 11]  # the engine's default
     assert benchmark.main([*common, "--tree-widths", "4,x"]) == 2
 
     # Modes with trees of their own run beside the plain ones, each reported under its name.
     assert benchmark.main([*common, "--modes", "ar,longspec,longspec:2,pld:1-1", "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
     by_mode = {r["mode"]: r for r in report["runs"]}
-    assert by_mode["longspec"]["tree_widths"] == [4, 16, 16, 16, 16]
+    assert by_mode["longspec"]["tree_widths"] == [4, 16, 16, 16, 11]
     assert by_mode["longspec:2"]["tree_widths"] == [2] and by_mode["pld:1-1"]["tree_widths"] == [1, 1]
     assert all(by_mode[m]["matches_ar"] is True for m in ("longspec", "longspec:2", "pld:1-1"))
     assert {g["mode"] for g in report["summary"]["by_task"]} == {"ar", "longspec", "longspec:2", "pld:1-1"}

@@ -71,21 +71,23 @@ def rotated(x, cos, sin):
 # (B, T, S, cache lengths, self-visibility of the one-token steps, kernel options): one-token
 # steps (AR decoding) with an empty cache next to a long one, one that fills the cache's last row,
 # a token that does not see itself; a 3-token block under a tree mask whose new rows cross a
-# 16-key tile edge.
+# 16-key tile edge; a 20-token tree at head dim 128 without GQA (the 7B verify's block choice).
+SMOLLM2_HEADS, WIDE_HEADS = (9, 3, 64), (4, 4, 128)
 WRITE_CASES = [
-    (2, 1, 150, [0, 131], [True, True], dict(num_splits=3)),
-    (2, 1, 64, [63, 7], [True, False], dict(num_splits=None)),
-    (2, 3, 80, [14, 40], None, dict(num_splits=2, block_rows=16, block_keys=16)),
+    (2, 1, 150, [0, 131], [True, True], dict(num_splits=3), SMOLLM2_HEADS),
+    (2, 1, 64, [63, 7], [True, False], dict(num_splits=None), SMOLLM2_HEADS),
+    (2, 3, 80, [14, 40], None, dict(num_splits=2, block_rows=16, block_keys=16), SMOLLM2_HEADS),
+    (1, 20, 200, [90], None, dict(num_splits=2), WIDE_HEADS),
 ]
 
 
-@pytest.mark.parametrize("b,t,s,lengths,sees_itself,options", WRITE_CASES)
-def test_packed_kernel_rotates_attends_and_writes_the_new_rows(b, t, s, lengths, sees_itself, options):
+@pytest.mark.parametrize("b,t,s,lengths,sees_itself,options,heads", WRITE_CASES)
+def test_packed_kernel_rotates_attends_and_writes_the_new_rows(b, t, s, lengths, sees_itself, options, heads):
     """From the un-rotated q|k|v product: the rows written at [len, len + T) are the rotated k
     (to float32 rounding of the rotation) and v (exactly), every other cache row is untouched, and
     o is attention of the rotated q over cache rows [0, len) plus the rotated new keys under the
     mask (float64 reference)."""
-    hq, hkv, d = 9, 3, 64
+    hq, hkv, d = heads
     rng = np.random.default_rng([b, t, s])
     _, k_cache, v_cache, lengths, _, _, mask = hybrid_inputs(rng, b, t, hq, hkv, s, d, lengths)
     if sees_itself is not None:

@@ -101,10 +101,10 @@ def test_beam_levels_match_brute_force(widths, vocab):
 
 def test_level_slices_and_depths_cover_the_flat_layout():
     widths = DEFAULT_WIDTHS
-    assert num_nodes(widths) == 69
+    assert num_nodes(widths) == 64
     assert level_slice(widths, 0) == (0, 1)
     assert level_slice(widths, 1) == (1, 5)
-    assert level_slice(widths, 5) == (53, 69)
+    assert level_slice(widths, 5) == (53, 64)
     depths = node_depths(widths)
     for d in range(len(widths) + 1):
         start, end = level_slice(widths, d)
@@ -137,7 +137,7 @@ def test_bad_widths_raise_user_error(widths, match):
 
 
 def test_good_widths_pass_validation():
-    assert validate_widths([4, 16, 16, 16, 16], vocab_size=32000) == DEFAULT_WIDTHS
+    assert validate_widths([4, 16, 16, 16, 11], vocab_size=32000) == DEFAULT_WIDTHS
     assert validate_widths((2, 20), vocab_size=10) == (2, 20)
 
 

@@ -49,8 +49,8 @@ def assert_valid_modules(modules, names) -> None:
             assert module.operation.verify()
 
 
-# (B, T, Hq, Hkv, S, D): SmolLM2 verify and one-token steps, 7B verify.
-SHAPES = [(1, 21, 9, 3, 4608, 64), (2, 1, 9, 3, 4608, 64), (1, 74, 32, 8, 32768, 128)]
+# (B, T, Hq, Hkv, S, D): SmolLM2 verify and one-token steps, 7B verify (GQA; no GQA in 64-row blocks).
+SHAPES = [(1, 21, 9, 3, 4608, 64), (2, 1, 9, 3, 4608, 64), (1, 74, 32, 8, 32768, 128), (1, 64, 32, 32, 32768, 128)]
 KERNELS = {
     "hybrid": ({"hybrid_split_k_attn", "split_k_combine"}, hybrid_attention, "q kc vc len kn vn mask"),
     "hybrid_write": (
