@@ -80,9 +80,11 @@ def loop_program(
 ):
     """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts, compiled
     for `device` (a compile-only GPU from `gpu_device`, or any attached device). small_rows: the
-    inference layout's small-row products (default: `Target.decode_model`'s on that device)."""
-    proposer, proposer_params = proposer_for(mode, target, draft, widths)
-    model = target.model.inference_layout(small_rows_for(device.platform) if small_rows is None else small_rows)
+    inference layout's small-row products, the target's and the draft's (default: what that device
+    decodes with)."""
+    rows = small_rows_for(device.platform) if small_rows is None else small_rows
+    proposer, proposer_params = proposer_for(mode, target, draft, widths, small_rows=rows)
+    model = target.model.inference_layout(rows)
     graphdef, params = nnx.split(model)
     slack = sum(proposer.widths)
     prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)

@@ -30,7 +30,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from longspec_jax.policy import PolicyState, init_policy
 from longspec_jax.proposers import (
@@ -40,6 +40,7 @@ from longspec_jax.proposers import (
     NoProposal,
     PromptLookup,
     check_draft,
+    draft_parameters,
 )
 from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
@@ -137,8 +138,9 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     return tuple(plan)
 
 
-def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
-    """(the static Adaptive proposer, its parameters) for a `candidate_plan`."""
+def adaptive_proposer(target, draft, plan, small_rows=None) -> tuple[Adaptive, tuple]:
+    """(the static Adaptive proposer, its parameters) for a `candidate_plan` (small_rows as
+    `proposers.draft_parameters`)."""
     vocab = target.config.vocab_size
     trees = [validate_widths(w, vocab) for name, w in plan if name.startswith("tree")]
     sources: list = [NoProposal()]
@@ -151,7 +153,7 @@ def adaptive_proposer(target, draft, plan) -> tuple[Adaptive, tuple]:
         candidates += [Candidate(name, len(sources) - 1, PromptLookup(w)) for name, w in chains]
     if trees:
         check_draft(draft, target.config)
-        graphdef, draft_params = nnx.split(draft.block)
+        graphdef, draft_params = draft_parameters(draft, small_rows)
         block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)), window=draft.config.window)
         rows = max(len(w) for w in trees) + 1  # the most its own rounds keep (others' it catches up on)
         sources.append(DraftProposer(block, trees[0], pending_rows=rows))

@@ -146,10 +146,12 @@ def accept_and_commit(
     sampling: SamplingParams,
     *,
     update_proposal=None,
+    update_reads_counts: bool = False,
 ) -> LoopState:
     """Steps 3 and 4 of a round, from the verified tree (cache, block: what verify returned).
     update_proposal(emitted, n_keep, positions) -> the proposer state after the round
-    (default: the loop's proposer accepts `proposal`)."""
+    (default: the loop's proposer accepts `proposal`); update_reads_counts: it reads the state's
+    n_new and done (static)."""
     depth = tree.depth
     if tree.drawn_from is None:
         acc = accept(tree, pick_token(round_key(state), logits, sampling))  # a pick at every node
@@ -171,15 +173,18 @@ def accept_and_commit(
     positions = cache.lengths - n_keep + 1
     if update_proposal is None:
         proposal = config.proposer.accept(proposal, acc.emitted, n_keep, positions)
+        n_new, done = state.n_new, state.done
     else:
-        proposal = update_proposal(acc.emitted, n_keep, positions)
+        proposal, n_new, done = update_proposal(acc.emitted, n_keep, positions), state.n_new, state.done
+        if update_reads_counts:  # overwritten once the update has read them: in place, not after a copy
+            proposal, n_new, done = jax.lax.optimization_barrier((proposal, n_new, done))
     return state.replace(
         cache=cache,
         proposal=proposal,
         roots=jnp.where(n_keep > 0, acc.bonus, state.roots),
         out=out,
-        n_new=state.n_new + n_keep,
-        done=state.done | ends,
+        n_new=n_new + n_keep,
+        done=done | ends,
         rounds=state.rounds + 1,
         active_rounds=state.active_rounds + (~state.done).astype(jnp.int32),
     )
@@ -217,7 +222,9 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
         return state.proposal.replace(sources=accepted, policy=policy)
 
     logits, cache, block = verify(config, model, tree, state.cache)
-    return accept_and_commit(config, state, tree, logits, cache, block, None, sampling, update_proposal=update)
+    return accept_and_commit(
+        config, state, tree, logits, cache, block, None, sampling, update_proposal=update, update_reads_counts=k != AR
+    )
 
 
 def run_round(

@@ -272,6 +272,8 @@ def record(
     # A running mean over the evidence (the prior one round) until a round weighs the EMA weight.
     weight = jnp.maximum(1.0 / (policy.evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
-    policy = policy.replace(tokens_per_round=estimate, evidence=policy.evidence + ran.astype(jnp.float32))
+    # The evidence is overwritten once the estimate has read it: in place, not after a copy.
+    estimate, evidence = jax.lax.optimization_barrier((estimate, policy.evidence))
+    policy = policy.replace(tokens_per_round=estimate, evidence=evidence + ran.astype(jnp.float32))
     policy = _advance_clocks(policy, chosen, jnp.int32(1), sampled)
     return count_rounds(policy, chosen, jnp.int32(1), kept, active) if counted else policy

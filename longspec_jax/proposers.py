@@ -49,6 +49,7 @@ from longspec_jax.draft import (
     init_draft_state,
 )
 from longspec_jax.errors import UserError
+from longspec_jax.model import small_rows_for
 from longspec_jax.pld import propose_chain
 from longspec_jax.sampling import filtered_logits
 from longspec_jax.tree import (
@@ -309,8 +310,17 @@ def resolve_widths(mode: str, tree_widths, vocab_size: int) -> tuple[int, ...]:
     return validate_widths(DEFAULT_WIDTHS if tree_widths is None else tree_widths, vocab_size)
 
 
-def proposer_for(mode: str, target, draft=None, tree_widths=None) -> tuple[Any, Any]:
-    """(static proposer, its parameters) of a mode ("ar", "pld" or "longspec" with a `Draft`)."""
+def draft_parameters(draft, small_rows=None) -> tuple[Any, Any]:
+    """(graphdef, parameters) of the draft's block in its inference layout
+    (`DraftBlock.inference_layout`; small_rows: its products written as multiply-reduce, by default
+    the target's choice for the backend)."""
+    rows = small_rows_for(jax.default_backend()) if small_rows is None else small_rows
+    return nnx.split(draft.block.inference_layout(rows))
+
+
+def proposer_for(mode: str, target, draft=None, tree_widths=None, small_rows=None) -> tuple[Any, Any]:
+    """(static proposer, its parameters) of a mode ("ar", "pld" or "longspec" with a `Draft`);
+    small_rows as `draft_parameters`."""
     widths = resolve_widths(mode, tree_widths, target.config.vocab_size)
     if mode == "ar":
         return NoProposal(), ()
@@ -322,6 +332,6 @@ def proposer_for(mode: str, target, draft=None, tree_widths=None) -> tuple[Any, 
             "or use mode 'pld' / 'ar'"
         )
     check_draft(draft, target.config)
-    graphdef, params = nnx.split(draft.block)
+    graphdef, params = draft_parameters(draft, small_rows)
     block = BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1])), window=draft.config.window)
     return DraftProposer(block, widths), params

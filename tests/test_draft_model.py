@@ -52,6 +52,16 @@ def _models(window=WINDOW):
     return block, target
 
 
+# The block as training runs it, and in its inference layout (packed, [out, in]; with the products
+# of 1-3 rows as multiply-reduce, as on a GPU): every inference path must give the training forward.
+LAYOUTS = {"training": None, "packed": (), "packed, small rows as reductions": (1, 2, 3)}
+
+
+def _inference_block(block, layout):
+    rows = LAYOUTS[layout]
+    return block if rows is None else block.inference_layout(rows)
+
+
 def _inputs(b, l, seed=0):
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, V, (b, l)), jnp.int32)
@@ -167,14 +177,16 @@ def _run_steps(block, target, state, tokens, positions, target_k, target_v, star
     return np.concatenate(out, axis=1), state
 
 
-def test_ring_buffer_commits_match_training_forward():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_buffer_commits_match_training_forward(layout):
     """Blocks of 1, 3, 5 tokens through a ring of W = 8 slots, wrapping around 4 times, against the
     full-sequence training forward with lag 1 (a commit's cross-attention)."""
-    block, target = _models()
+    trained, target = _models()
+    block = _inference_block(trained, layout)
     b, l = 2, sum(SIZES)
     tokens, target_k, target_v = _inputs(b, l)
     positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    want = _train_logits(block, target, tokens, positions, target_k, target_v, 1)
+    want = _train_logits(trained, target, tokens, positions, target_k, target_v, 1)
     state = init_draft_state(block, b, tree_slots=4)
     got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, 0, SIZES)
     assert np.abs(want).max() > 1.0
@@ -184,14 +196,16 @@ def test_ring_buffer_commits_match_training_forward():
     )
 
 
-def test_prefill_then_steps_match_training_forward():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_then_steps_match_training_forward(layout):
     """Prompts of different lengths (one shorter than the window) prefilled into the ring, then
     decoded one and several tokens at a time."""
-    block, target = _models()
+    trained, target = _models()
+    block = _inference_block(trained, layout)
     b, l = 2, 30
     tokens, target_k, target_v = _inputs(b, l, seed=3)
     positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    want = _train_logits(block, target, tokens, positions, target_k, target_v, 1)
+    want = _train_logits(trained, target, tokens, positions, target_k, target_v, 1)
     lengths = jnp.asarray([13, 5], jnp.int32)
     state = _prefill(block, target, init_draft_state(block, b, tree_slots=4), tokens, lengths)
     t0 = np.asarray(lengths)
@@ -326,3 +340,13 @@ def test_draft_state_bytes_do_not_grow_with_context():
     small = jax.eval_shape(lambda: state_after(1024))
     large = jax.eval_shape(lambda: state_after(100_000))
     assert small.nbytes == large.nbytes == (2 * (512 + 128) * HKV * D * 4 + (512 + 128) * 4)
+
+
+def test_inference_layout_packs_once_and_keeps_the_training_block():
+    block, _ = _models()
+    packed = block.inference_layout((2, 3))
+    twice = packed.inference_layout((2, 3))
+    assert not hasattr(block.self_attn, "qkv_proj") and hasattr(packed.self_attn, "qkv_proj")
+    n_params = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+    assert n_params(packed) == n_params(block) == n_params(twice)
+    assert jax.tree.structure(nnx.state(twice)) == jax.tree.structure(nnx.state(packed))
