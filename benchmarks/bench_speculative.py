@@ -94,11 +94,10 @@ def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int
     """Bytes the draft's `depth` steps of a round must read: each step the block's weights, the
     shared LM head and the target's last-layer K/V at `context` rows a sequence (the ring, at most
     the window's rows of one layer, left out)."""
-    weights = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     head = model.embed if model.lm_head is None else model.lm_head
     c = model.config
     kv = 2 * batch * context * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
-    return int(depth * (weights(nnx.state(draft.block)) + weights(head[...]) + kv))
+    return depth * (cache_bytes(nnx.state(draft.block)) + cache_bytes(head[...]) + kv)
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     for r in rows:
         if r.error:
-            print(f"{r.shape:<11}{r.context:>8}  failed: {r.error}")
+            print(f"{r.shape:<13}{r.context:>8}  failed: {r.error}")
             continue
         print(
             f"{r.shape:<13}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"

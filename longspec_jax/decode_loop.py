@@ -171,11 +171,11 @@ def accept_and_commit(
     else:
         out = write_rows(state.out, acc.emitted, state.n_new)
     positions = cache.lengths - n_keep + 1
+    n_new, done = state.n_new, state.done
     if update_proposal is None:
         proposal = config.proposer.accept(proposal, acc.emitted, n_keep, positions)
-        n_new, done = state.n_new, state.done
     else:
-        proposal, n_new, done = update_proposal(acc.emitted, n_keep, positions), state.n_new, state.done
+        proposal = update_proposal(acc.emitted, n_keep, positions)
         if update_reads_counts:  # overwritten once the update has read them: in place, not after a copy
             proposal, n_new, done = jax.lax.optimization_barrier((proposal, n_new, done))
     return state.replace(
