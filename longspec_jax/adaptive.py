@@ -9,8 +9,8 @@ not once per round, and the host never steps in:
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
-trees; at T > 0 the draft proposes a chain drawn from its distribution; large batches get smaller
-trees. The choice each round is policy.py's.
+trees; at T > 0 the draft proposes a chain drawn from its distribution or a small tree coupled with
+the target's picks (acceptance.py); large batches get smaller trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
@@ -45,7 +45,8 @@ from longspec_jax.proposers import (
 from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
-DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0: one token drawn from it
+DRAWN_CHAIN = (1,)  # a draft candidate at T > 0: one token drawn from it
+COUPLED_TREE = (4, 4, 4)  # the other at T > 0 below LARGE_BATCH: a tree coupled with the target's picks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +122,19 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
     tokens), ahead of an adaptive set that also held a 10-token chain and a (4, 8, 8) tree
     (0.84-1.49x), whose mixed runs cost up to a third more than their candidates' calibrated rounds.
-    At T > 0 the draft's candidate is one token it draws at random, verified by speculative sampling
-    (proposers.py): at T = 1 (CPU-measured, SmolLM2 and its draft) it keeps 1.51 / 1.35 tokens a
-    round (code / summaries) where the draft's likeliest token kept 1.27 / 1.19 and the two
-    likeliest (a (2) tree, one more row) 1.35 / 1.30, and its round verifies two rows, the cheapest
-    a draft round gets; longer drawn chains keep more (1.8 at three tokens) but cost more than that
-    buys at these rates (BENCHMARKS.md). The prompt-lookup chain is short. Each candidate is one
-    more branch to compile, so few."""
+    At T > 0 the draft's candidates are one token it draws at random, verified by speculative
+    sampling (proposers.py), and below LARGE_BATCH a (4, 4, 4) tree coupled with the target's picks
+    (acceptance.py). On the H200 at T = 1 (SmolLM2 and its draft, BENCHMARKS.md) the drawn token
+    keeps 1.45 tokens a round for 1.27 AR steps, the cheapest draft round; the coupled tree keeps
+    2.37 / 1.97 (code / summaries) for 1.85 AR steps, where wider or deeper coupled trees kept about
+    as much for more. Mode auto with both ran 1.24x / 1.11x AR where the drawn token alone ran
+    1.14x / 1.16x. At batch 4 and 8 a coupled (2, 2) tree beside the drawn token made auto slower
+    (0.94-1.09x against 1.17-1.23x for the drawn token alone), so large batches keep the drawn token
+    only. The prompt-lookup chain is short. Each candidate is one more branch to compile, so few."""
     if greedy:
         chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:
-        chains, trees = ((1,) if batch >= LARGE_BATCH else (2,)), [DRAWN_CHAIN]
+        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else ((2,), [DRAWN_CHAIN, COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]

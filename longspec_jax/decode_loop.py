@@ -9,8 +9,9 @@ A round, for every sequence of the batch at once (docs/ALGORITHM.md 5):
      the nodes' K/V, or with the Pallas kernels writes them past the cache end (a root-only tree
      writes its row there: AR decoding);
   3. accept: the target's pick at every node (`sampling.pick_token`: argmax when greedy, an exact
-     sample otherwise; one program for both), then the walk down the tree (acceptance.py), cut at
-     the first EOS / at max_new_tokens; a chain drawn from the draft is verified by speculative
+     sample otherwise; one program for both; a draft tree's nodes of one depth share the noise its
+     candidates were chosen with, `Tree.noise`), then the walk down the tree (acceptance.py), cut
+     at the first EOS / at max_new_tokens; a chain drawn from the draft is verified by speculative
      sampling instead (`acceptance.accept_drawn_chain`);
   4. commit: the K/V of the root and the kept nodes are written in path order at the cache end,
      from the verified nodes' K/V wherever verify left them (model.commit); the last kept token is
@@ -46,7 +47,7 @@ from longspec_jax.policy import (
     record_ar_rounds,
 )
 from longspec_jax.proposers import write_rows
-from longspec_jax.sampling import SamplingParams, filtered_log_probs, pick_token
+from longspec_jax.sampling import SamplingParams, filtered_log_probs, pick_token, pick_with_noise
 from longspec_jax.tree import Tree, node_depths
 
 
@@ -153,7 +154,10 @@ def accept_and_commit(
     (default: the loop's proposer accepts `proposal`); update_reads_counts: it reads the state's
     n_new and done (static)."""
     depth = tree.depth
-    if tree.drawn_from is None:
+    if tree.noise is not None:  # coupled candidates: every node picks with its depth's noise
+        depth_noise = tree.noise[:, node_depths(tree.widths)]  # [B, N, V]
+        acc = accept(tree, pick_with_noise(logits, depth_noise, sampling))
+    elif tree.drawn_from is None:
         acc = accept(tree, pick_token(round_key(state), logits, sampling))  # a pick at every node
     else:
         acc = accept_drawn_chain(tree, filtered_log_probs(logits, sampling), round_key(state), sampling.greedy)

@@ -24,8 +24,9 @@ static config); its parameters travel apart as a jit argument, its state rides i
   occurrence (pld.py) in its own copy of prompt + output.
 - `DraftProposer` (mode "longspec"): the LongSpec draft. It feeds the tokens kept last round to the
   draft (`commit`, which also gives the root's distribution), then grows the tree level by level
-  (`propose_level`, tree.py's beam). The draft owns its ring buffer and tree slots (draft.py). A
-  chain (every width 1) is drawn instead: each token at random from the draft's distribution under
+  (`propose_level`, tree.py's beam; when sampling, the beam over the draft's race under the noise
+  the target's picks will use, `tree.race_top_k`). The draft owns its ring buffer and tree slots
+  (draft.py). A chain (every width 1) is drawn instead: each token at random from the draft's distribution under
   the request's sampling settings (its argmax when greedy), verified by speculative sampling
   (acceptance.accept_drawn_chain), which at T > 0 keeps more than the draft's likeliest token would.
 """
@@ -51,13 +52,14 @@ from longspec_jax.draft import (
 from longspec_jax.errors import UserError
 from longspec_jax.model import small_rows_for
 from longspec_jax.pld import propose_chain
-from longspec_jax.sampling import filtered_logits
+from longspec_jax.sampling import filtered_logits, gumbel_noise
 from longspec_jax.tree import (
     DEFAULT_WIDTHS,
     chain_tree,
     expand_level_from_top,
     init_tree_from_top,
     level_block,
+    race_top_k,
     root_tree,
     validate_widths,
 )
@@ -236,9 +238,24 @@ class DraftProposer:
         token = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
         return jnp.zeros(token.shape + (1, 1), jnp.float32), token[:, None, None], scores
 
+    def _candidates(self, params, model, features, k, sampling, noise, attn_impl):
+        """The k candidates after each of features [B, W, H]: when greedy the draft's likeliest,
+        else the k closest to winning the race run with noise float32[B, V] (tree.race_top_k)."""
+
+        def likeliest(features):
+            return tuple(self.draft.top_k(params, model, features, k, attn_impl))
+
+        def raced(features):
+            scores = filtered_logits(self.draft.logits(params, model, features), sampling)
+            return tuple(race_top_k(scores, noise, k))
+
+        return jax.lax.cond(sampling.greedy, likeliest, raced, features)
+
     def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl, sampling, key):
         """The draft reads the kept tokens (they end with the root), then the beam levels (or the
-        chain's draws)."""
+        chain's draws). A tree's levels are coupled with the target's picks when sampling: one
+        Gumbel noise per depth, which the draft's candidates race under and the target's picks use
+        (tree.Tree.noise)."""
         root_pos = cache.lengths  # the tokens before the root are all in the cache
         target_k, target_v = cache.k[-1], cache.v[-1]
         positions, valid = self._pending_positions(state, root_pos)
@@ -250,9 +267,8 @@ class DraftProposer:
         vocab = model.config.vocab_size
         drawn_from = []
         tree = None
-        if self.draws:  # one draw of noise for the whole chain
-            noise = jax.random.gumbel(key, (roots.shape[0], len(self.widths), vocab), jnp.float32)
-            noise = jnp.where(sampling.greedy, 0.0, noise)
+        # The chain: one draw of noise for its tokens. A tree: one per depth, the leaves' included.
+        noise = gumbel_noise(key, (roots.shape[0], len(self.widths) + (not self.draws), vocab), sampling)
         for depth in range(len(self.widths)):
             if depth > 0:
                 tokens, _, sees = level_block(tree, depth, root_pos)
@@ -263,13 +279,16 @@ class DraftProposer:
                 best, tokens, scores = self._draw(params, model, features, sampling, noise[:, depth])
                 drawn_from.append(scores)
             else:
-                best, tokens = self.draft.top_k(params, model, features, min(self.widths[depth], vocab), attn_impl)
+                k = min(self.widths[depth], vocab)
+                best, tokens = self._candidates(params, model, features, k, sampling, noise[:, depth], attn_impl)
             if depth == 0:
                 tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
             else:
                 tree = expand_level_from_top(tree, depth, best, tokens)
         if self.draws:
             tree = tree.replace(drawn_from=jnp.stack(drawn_from, axis=1))
+        else:
+            tree = tree.replace(noise=noise)
         return tree, state.replace(draft=draft)
 
     def accept(self, state: DraftProposal, tokens, n_tokens, positions):

@@ -153,6 +153,16 @@ def pick_token(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax
     greedy (the key is then unused), else a sample from `filtered_log_probs`. One program for
     both: the Gumbel noise that makes argmax a sample is zeroed when greedy, and the greedy
     logits are unscaled, so the argmax is exactly `greedy_pick`'s."""
-    scores = filtered_logits(logits, params)
-    noise = jax.random.gumbel(key, scores.shape, jnp.float32)
-    return greedy_pick(scores + jnp.where(params.greedy, 0.0, noise))
+    return pick_with_noise(logits, jax.random.gumbel(key, logits.shape, jnp.float32), params)
+
+
+def pick_with_noise(logits: jax.Array, noise: jax.Array, params: SamplingParams) -> jax.Array:
+    """`pick_token` with the Gumbel noise given, float32 broadcastable to logits [..., V]: the
+    argmax of the filtered logits plus the noise (the noise ignored when greedy). Rows that share
+    noise are coupled, each still an exact sample of its own distribution."""
+    return greedy_pick(filtered_logits(logits, params) + jnp.where(params.greedy, 0.0, noise))
+
+
+def gumbel_noise(key: jax.Array, shape: tuple[int, ...], params: SamplingParams) -> jax.Array:
+    """float32 standard Gumbel noise of `shape`, zeros when greedy."""
+    return jnp.where(params.greedy, 0.0, jax.random.gumbel(key, shape, jnp.float32))

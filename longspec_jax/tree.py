@@ -35,8 +35,9 @@ from longspec_jax.errors import UserError
 DEFAULT_WIDTHS = (4, 16, 16, 16, 11)
 # The verification kernel takes the whole tree (root included) as one block of at most this many rows.
 MAX_TREE_NODES = 128
-# vocab_top_k's two-stage selection (timed on the H200 at a 49k vocabulary): from this k on, up to
-# this many rows, in slices of this many entries (a quarter of it above 4 rows).
+# vocab_top_k's selection (timed on the H200 at a 49k vocabulary): below TWO_STAGE_MIN_K one
+# argmax pass per winner; from it on two stages up to this many rows, in slices of this many
+# entries (a quarter of it above 4 rows).
 TWO_STAGE_MIN_K = 8
 TWO_STAGE_MAX_ROWS = 16
 TWO_STAGE_CHUNK = 1024
@@ -58,6 +59,10 @@ class Tree:
              greedy the token is their argmax and its verification takes q as the point mass on
              it), which its verification needs (acceptance.accept_drawn_chain). None: the tokens
              are the draft's likeliest, chosen deterministically.
+    noise:   float32[B, D+1, V] or None. Coupled candidates (`race_top_k`): the Gumbel noise every
+             node of depth d shares, with which the draft chose level d + 1 and with which the
+             target then picks at each depth-d node (acceptance.py). None: each node's pick has its
+             own noise.
     Nodes of levels not built yet hold token 0, parent -1, score -inf and an all-False mask row.
     """
 
@@ -67,6 +72,7 @@ class Tree:
     mask: jax.Array
     widths: tuple[int, ...] = struct.field(pytree_node=False)
     drawn_from: jax.Array | None = None
+    noise: jax.Array | None = None
 
     @property
     def depth(self) -> int:
@@ -151,6 +157,8 @@ def vocab_top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     over a 49k vocabulary at 1-16 rows, the two stages ~20-50 us; at 64 rows one stage is faster."""
     rows = math.prod(scores.shape[:-1])
     v = scores.shape[-1]
+    if k < TWO_STAGE_MIN_K and v > 2 * TWO_STAGE_CHUNK:
+        return _argmax_passes(scores, k)
     if k < TWO_STAGE_MIN_K or rows > TWO_STAGE_MAX_ROWS or v <= 2 * TWO_STAGE_CHUNK:
         return jax.lax.top_k(scores, k)
     chunk = TWO_STAGE_CHUNK if rows <= 4 else TWO_STAGE_CHUNK // 4
@@ -162,6 +170,37 @@ def vocab_top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     flat_best = best.reshape(*scores.shape[:-1], slices * k)
     values, where = jax.lax.top_k(flat_best, k)
     return values, jnp.take_along_axis(index.reshape(flat_best.shape), where, axis=-1)
+
+
+def _argmax_passes(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k for a small k as k argmax reductions, each winner then taken out: on the GPU a
+    reduction over the vocabulary is a few microseconds where the TopK kernel takes ~150 us at any k.
+    Taken entries become -inf and the rest at least the lowest finite value, so every pass picks a
+    new index (a row with fewer than k finite scores included), ties to the lower index."""
+    scores = scores.astype(jnp.float32)
+    lowest = jnp.finfo(jnp.float32).min
+    remaining = jnp.maximum(scores, lowest)
+    columns = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    values, indices = [], []
+    for _ in range(k):
+        index = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+        values.append(jnp.take_along_axis(scores, index[..., None], axis=-1)[..., 0])
+        indices.append(index)
+        remaining = jnp.where(columns == index[..., None], -jnp.inf, remaining)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def race_top_k(scores: jax.Array, noise: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k tokens closest to winning a Gumbel race: scores float32[B, W, V] the draft's filtered
+    logits at W nodes of one depth, noise float32[B, V] that depth's shared noise. -> (margins
+    float32[B, W, k] descending: each token's perturbed score minus its node's best, 0 for the
+    winner; token ids int32[B, W, k]). The target's pick at such a node is the argmax of its own
+    perturbed filtered logits under the same noise: where its distribution matches the draft's it
+    picks the winner, and the smaller a token's margin the likelier it wins there instead. Summed
+    down a path (expand_level_from_top), margins rank the level's candidates as log-probs do in a
+    beam."""
+    best, tokens = vocab_top_k(scores.astype(jnp.float32) + noise[:, None, :], k)
+    return best - best[..., :1], tokens
 
 
 def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_WIDTHS) -> Tree:

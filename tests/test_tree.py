@@ -141,7 +141,10 @@ def test_good_widths_pass_validation():
     assert validate_widths((2, 20), vocab_size=10) == (2, 20)
 
 
-@pytest.mark.parametrize("shape, k", [((1, 4, 49152), 16), ((16, 5000), 16), ((2, 3, 3001), 9), ((1, 7000), 8)])
+@pytest.mark.parametrize(
+    "shape, k",
+    [((1, 4, 49152), 16), ((16, 5000), 16), ((2, 3, 3001), 9), ((1, 7000), 8), ((1, 4, 49152), 4), ((64, 3000), 2)],
+)
 def test_vocab_top_k_equals_one_stage_top_k_ties_and_minus_inf_included(shape, k):
     rng = np.random.default_rng(k)
     # Few distinct values: ties everywhere, across slices too; some rows' tails at -inf.
@@ -153,11 +156,23 @@ def test_vocab_top_k_equals_one_stage_top_k_ties_and_minus_inf_included(shape, k
     np.testing.assert_array_equal(index, want_index)
 
 
+def test_vocab_top_k_with_fewer_finite_scores_than_k_still_gives_distinct_indices():
+    scores = np.full((3, 6000), -np.inf, np.float32)
+    scores[0, [5, 4000]] = [1.0, 2.0]
+    scores[1, 17] = 0.0  # row 2 is all -inf
+    values, index = vocab_top_k(jnp.asarray(scores), 4)
+    want_values, want_index = jax.lax.top_k(jnp.asarray(scores), 4)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(index, want_index)
+    assert all(len(set(row)) == 4 for row in np.asarray(index).tolist())
+
+
 def test_vocab_top_k_takes_two_stages_where_it_is_faster():
-    # Two stages: the program holds two top-ks; one stage for many rows or a small k.
+    # Two stages: the program holds two top-ks; one stage for many rows; argmax passes, no top-k,
+    # for a small k over a large vocabulary.
     def top_ks(shape, k):
         text = jax.jit(lambda x: vocab_top_k(x, k)).lower(jnp.zeros(shape, jnp.float32)).as_text()
         return text.count("chlo.top_k")
 
     assert top_ks((4, 49152), 16) == 2 and top_ks((64, 49152), 16) == 1
-    assert top_ks((4, 49152), 4) == 1
+    assert top_ks((4, 49152), 4) == 0 and top_ks((4, 1000), 4) == 1

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from longspec_jax.draft import DraftConfig
+from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import generate
 from longspec_jax.model import commit, init_cache
 from longspec_jax.target import Target, random_target
@@ -90,6 +92,20 @@ def test_pallas_speculative_greedy_output_equals_ar():
     speculative = run(attn_impl="pallas", mode="pld")
     assert speculative.tokens == reference
     assert speculative.stats.tau > 1
+
+
+def test_pallas_draft_trees_decode_what_xla_does_greedy_and_sampled():
+    """A draft tree under the kernels (interpret mode): the draft's candidates from the head top-k
+    kernel when greedy (output equal to AR) and from the race under the target's noise when
+    sampling (the same tokens as impl "xla" for the same seed)."""
+    target = random_target(tiny_config(head_dim=64), seed=1, dtype="float32")
+    target = Target(target.config, target.model.inference_layout(), target.tokenizer)
+    draft = init_draft(target, seed=2, config=DraftConfig(window=8))
+    prompts = [np.random.default_rng(1).integers(0, 128, size=9).tolist()]
+    run = functools.partial(generate, target, prompts, max_new_tokens=8, eos_token_ids=(), seed=3)
+    assert run(attn_impl="pallas", mode="longspec", draft=draft, tree_widths=(2, 2)).tokens == run(mode="ar").tokens
+    sampled = functools.partial(run, mode="longspec", draft=draft, tree_widths=(2, 2), temperature=1.0)
+    assert sampled(attn_impl="pallas").tokens == sampled(attn_impl="xla").tokens
 
 
 def test_pallas_ar_steps_with_fused_projections_equal_xla():
