@@ -126,11 +126,11 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     sampling (proposers.py), and below LARGE_BATCH a (4, 4, 4) tree coupled with the target's picks
     (acceptance.py). On the H200 at T = 1 (SmolLM2 and its draft, BENCHMARKS.md) the drawn token
     keeps 1.45 tokens a round for 1.27 AR steps, the cheapest draft round; the coupled tree keeps
-    2.37 / 1.97 (code / summaries) for 1.85 AR steps, where wider or deeper coupled trees kept about
-    as much for more. Mode auto with both ran 1.24x / 1.11x AR where the drawn token alone ran
-    1.14x / 1.16x. At batch 4 and 8 a coupled (2, 2) tree beside the drawn token made auto slower
-    (0.94-1.09x against 1.17-1.23x for the drawn token alone), so large batches keep the drawn token
-    only. The prompt-lookup chain is short. Each candidate is one more branch to compile, so few."""
+    2.37 / 1.97 (code / summaries) for 1.88 AR steps, where wider or deeper coupled trees kept about
+    as much for more. Mode auto with both ran 1.24-1.39x / 1.11-1.18x AR (two runs) where the drawn
+    token alone ran 1.14x / 1.16x. At batch 4 and 8 a coupled (2, 2) tree beside the drawn token made
+    auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so large batches keep
+    the drawn token only. The prompt-lookup chain is short. Each candidate is one more branch to compile, so few."""
     if greedy:
         chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:

@@ -155,7 +155,7 @@ def accept_and_commit(
     n_new and done (static)."""
     depth = tree.depth
     if tree.noise is not None:  # coupled candidates: every node picks with its depth's noise
-        depth_noise = tree.noise[:, node_depths(tree.widths)]  # [B, N, V]
+        depth_noise = tree.noise[:, tree.depths]  # [B, N, V]
         acc = accept(tree, pick_with_noise(logits, depth_noise, sampling))
     elif tree.drawn_from is None:
         acc = accept(tree, pick_token(round_key(state), logits, sampling))  # a pick at every node
