@@ -86,8 +86,9 @@ def hlo_computations(text: str) -> dict[str, list[str]]:
 
 
 def _launches_in(name: str, computations: dict[str, list[str]]) -> list[str]:
-    """The launching instruction lines of computation `name`, nested loops, calls and branches
-    walked into (each branch counted, as one iteration may take any)."""
+    """The launching instruction lines of computation `name`, nested loops and calls walked into.
+    A conditional counts as its largest branch (an iteration runs one) plus the kernel that sets
+    its case."""
     lines = []
     for line in computations[name]:
         match = INSTRUCTION.match(line)
@@ -95,12 +96,16 @@ def _launches_in(name: str, computations: dict[str, list[str]]) -> list[str]:
             continue
         if match.group(1) in CONTROL_OPS:
             rest = match.group(2)
-            called = re.findall(r"(?:condition|body|to_apply|true_computation|false_computation)=%?([\w.\-]+)", rest)
-            for branches in re.findall(r"branch_computations=\{([^}]*)\}", rest):
-                called += [b.strip().lstrip("%") for b in branches.split(",")]
+            called = re.findall(r"(?:condition|body|to_apply)=%?([\w.\-]+)", rest)
+            branches = re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", rest)
+            for listed in re.findall(r"branch_computations=\{([^}]*)\}", rest):
+                branches += [b.strip().lstrip("%") for b in listed.split(",")]
             for c in called:
                 if c in computations:
                     lines += _launches_in(c, computations)
+            taken = [_launches_in(b, computations) for b in branches if b in computations]
+            if taken:
+                lines += [line] + max(taken, key=len)
         else:
             lines.append(line)
     return lines

@@ -43,6 +43,7 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from longspec_jax.model import MLP, Linear, PackedLinear, PackedMLP, RMSNorm
 from longspec_jax.rope import apply_rope, inverse_frequencies
+from longspec_jax.sampling import SamplingParams, filtered_logits
 from longspec_jax.tree import vocab_top_k
 from pallas_kernels.head_top_k import head_top_k
 
@@ -376,6 +377,17 @@ def _forward_block(
     return out, k, v
 
 
+def _fused_head_top_k(target_model, features, k: int, noise=None):
+    """`head_top_k` over the target's head for features [B,T,H] (noise [B, V] or None) -> [B,T,k] each."""
+    b, t, h = features.shape
+    head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
+    try:
+        best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k, noise=noise)
+    except ValueError as err:  # a head the kernel cannot take: the user's choice of impl
+        raise UserError(f"{err}; use attn_impl 'xla' for this model") from err
+    return best.reshape(b, t, k), ids.reshape(b, t, k)
+
+
 def draft_top_k(target_model, features, k: int, *, attn_impl=None):
     """The k most likely next tokens after each of features [B,T,H] (the draft's output) under the
     target's LM head -> (log-probs float32[B,T,k] descending, token ids int32[B,T,k]).
@@ -385,15 +397,34 @@ def draft_top_k(target_model, features, k: int, *, attn_impl=None):
     (its largest cost in a draft step on the H200) is not run. Otherwise the logits, their log-softmax
     and `tree.vocab_top_k`. The two agree up to float rounding: the candidates of a tree need not be
     exact for the output to be, the target's check is."""
-    b, t, h = features.shape
     if _impl(attn_impl) == "pallas":
-        head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
-        try:
-            best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k)
-        except ValueError as err:  # a head the kernel cannot take: the user's choice of impl
-            raise UserError(f"{err}; use attn_impl 'xla' for this model") from err
-        return best.reshape(b, t, k), ids.reshape(b, t, k)
+        return _fused_head_top_k(target_model, features, k)
     return vocab_top_k(jax.nn.log_softmax(target_model.lm_logits(features), axis=-1), k)
+
+
+def candidates_from_logits(logits, k: int, sampling: SamplingParams, noise):
+    """A tree level's k candidates after each node from the draft's next-token logits [B,T,V] ->
+    (scores float32[B,T,k] descending, token ids int32[B,T,k]). Greedy: the likeliest, scored by
+    log-prob. Sampling: the k tokens closest to winning the Gumbel race that the target's picks at
+    these nodes run with the same noise float32[B, V] (acceptance.py): each token's perturbed score
+    (filtered logit / T + noise) less its node's best, 0 for the winner; summed down a path
+    (tree.expand_level_from_top) these margins rank a level's candidates as log-probs do in a beam."""
+    logits = logits.astype(jnp.float32)
+    raced = filtered_logits(logits, sampling) + noise[:, None, :]
+    best, ids = vocab_top_k(jnp.where(sampling.greedy, jax.nn.log_softmax(logits, axis=-1), raced), k)
+    return jnp.where(sampling.greedy, best, best - best[..., :1]), ids
+
+
+def draft_candidates(target_model, features, k: int, sampling: SamplingParams, noise, *, attn_impl=None):
+    """`candidates_from_logits` for the draft's features [B,T,H] under the target's LM head, the
+    noise float32[B, V] zero when greedy. With the Pallas kernels and no top-k / top-p filter, one
+    `head_top_k` pass ranks logit + T * noise (the order of logit / T + noise) and returns
+    log-prob + T * noise: the log-probs when greedy, the margins once less the best and over T.
+    No branch on the traced greedy flag: a conditional cost each tree level ~10 us on the H200."""
+    if _impl(attn_impl) == "pallas" and not (sampling.use_top_k or sampling.use_top_p):
+        best, ids = _fused_head_top_k(target_model, features, k, noise * sampling.temperature)
+        return jnp.where(sampling.greedy, best, (best - best[..., :1]) / sampling.temperature), ids
+    return candidates_from_logits(target_model.lm_logits(features), k, sampling, noise)
 
 
 def tree_slots(state: DraftState, window: int) -> int:

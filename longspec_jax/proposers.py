@@ -25,7 +25,7 @@ static config); its parameters travel apart as a jit argument, its state rides i
 - `DraftProposer` (mode "longspec"): the LongSpec draft. It feeds the tokens kept last round to the
   draft (`commit`, which also gives the root's distribution), then grows the tree level by level
   (`propose_level`, tree.py's beam; when sampling, the beam over the draft's race under the noise
-  the target's picks will use, `tree.race_top_k`). The draft owns its ring buffer and tree slots
+  the target's picks will use, `draft.candidates_from_logits`). The draft owns its ring buffer and tree slots
   (draft.py). A chain (every width 1) is drawn instead: each token at random from the draft's
   distribution under the request's sampling settings (its argmax when greedy), verified by
   speculative sampling (acceptance.accept_drawn_chain), which at T > 0 keeps more than the draft's
@@ -43,11 +43,11 @@ from flax import nnx, struct
 
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft import (
+    draft_candidates,
     draft_commit,
     draft_prefill,
     draft_propose_level,
     draft_remember,
-    draft_top_k,
     init_draft_state,
 )
 from longspec_jax.errors import UserError
@@ -60,7 +60,6 @@ from longspec_jax.tree import (
     expand_level_from_top,
     init_tree_from_top,
     level_block,
-    race_top_k,
     root_tree,
     validate_widths,
 )
@@ -137,8 +136,9 @@ class PromptLookup:
 class BlockDraft:
     """The LongSpec draft block (draft.py) behind the calls `DraftProposer` makes; static. Its
     parameters (nnx.split of the block) are the proposer's parameters. `commit` and
-    `propose_level` return the draft's features, `top_k` their k likeliest next tokens, `logits`
-    their next-token logits float32[B, T, V] under the shared LM head. A stand-in
+    `propose_level` return the draft's features, `candidates` a tree level's k candidates after
+    them (the likeliest when greedy, the race's closest when sampling: draft.draft_candidates),
+    `logits` their next-token logits float32[B, T, V] under the shared LM head. A stand-in
     draft (a test oracle) provides the same methods."""
 
     graphdef: Any
@@ -168,8 +168,8 @@ class BlockDraft:
             block, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl=attn_impl
         )
 
-    def top_k(self, params, target_model, features, k, attn_impl):
-        return draft_top_k(target_model, features, k, attn_impl=attn_impl)
+    def candidates(self, params, target_model, features, k, attn_impl, sampling, noise):
+        return draft_candidates(target_model, features, k, sampling, noise, attn_impl=attn_impl)
 
     def logits(self, params, target_model, features):
         return target_model.lm_logits(features)
@@ -239,19 +239,6 @@ class DraftProposer:
         token = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
         return jnp.zeros(token.shape + (1, 1), jnp.float32), token[:, None, None], scores
 
-    def _candidates(self, params, model, features, k, sampling, noise, attn_impl):
-        """The k candidates after each of features [B, W, H]: when greedy the draft's likeliest,
-        else the k closest to winning the race run with noise float32[B, V] (tree.race_top_k)."""
-
-        def likeliest(features):
-            return tuple(self.draft.top_k(params, model, features, k, attn_impl))
-
-        def raced(features):
-            scores = filtered_logits(self.draft.logits(params, model, features), sampling)
-            return tuple(race_top_k(scores, noise, k))
-
-        return jax.lax.cond(sampling.greedy, likeliest, raced, features)
-
     def propose(self, params, model, state: DraftProposal, roots, cache, attn_impl, sampling, key):
         """The draft reads the kept tokens (they end with the root), then the beam levels (or the
         chain's draws). A tree's levels are coupled with the target's picks when sampling: one
@@ -281,7 +268,7 @@ class DraftProposer:
                 drawn_from.append(scores)
             else:
                 k = min(self.widths[depth], vocab)
-                best, tokens = self._candidates(params, model, features, k, sampling, noise[:, depth], attn_impl)
+                best, tokens = self.draft.candidates(params, model, features, k, attn_impl, sampling, noise[:, depth])
             if depth == 0:
                 tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
             else:

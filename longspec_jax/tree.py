@@ -59,10 +59,10 @@ class Tree:
              greedy the token is their argmax and its verification takes q as the point mass on
              it), which its verification needs (acceptance.accept_drawn_chain). None: the tokens
              are the draft's likeliest, chosen deterministically.
-    noise:   float32[B, D+1, V] or None. Coupled candidates (`race_top_k`): the Gumbel noise every
-             node of depth d shares, with which the draft chose level d + 1 and with which the
-             target then picks at each depth-d node (acceptance.py). None: each node's pick has its
-             own noise.
+    noise:   float32[B, D+1, V] or None. Coupled candidates (draft.candidates_from_logits): the
+             Gumbel noise every node of depth d shares, with which the draft chose level d + 1 and
+             with which the target then picks at each depth-d node (acceptance.py). None: each
+             node's pick has its own noise.
     Nodes of levels not built yet hold token 0, parent -1, score -inf and an all-False mask row.
     """
 
@@ -189,19 +189,6 @@ def _argmax_passes(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         indices.append(index)
         remaining = jnp.where(columns == index[..., None], -jnp.inf, remaining)
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
-
-
-def race_top_k(scores: jax.Array, noise: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k tokens closest to winning a Gumbel race: scores float32[B, W, V] the draft's filtered
-    logits at W nodes of one depth, noise float32[B, V] that depth's shared noise. -> (margins
-    float32[B, W, k] descending: each token's perturbed score minus its node's best, 0 for the
-    winner; token ids int32[B, W, k]). The target's pick at such a node is the argmax of its own
-    perturbed filtered logits under the same noise: where its distribution matches the draft's it
-    picks the winner, and the smaller a token's margin the likelier it wins there instead. Summed
-    down a path (expand_level_from_top), margins rank the level's candidates as log-probs do in a
-    beam."""
-    best, tokens = vocab_top_k(scores.astype(jnp.float32) + noise[:, None, :], k)
-    return best - best[..., :1], tokens
 
 
 def init_tree(root_tokens: jax.Array, root_log_probs: jax.Array, widths=DEFAULT_WIDTHS) -> Tree:

@@ -20,6 +20,12 @@ On the H200 at SmolLM2's head (49,152 x 576, bfloat16) the two kernels took 26-6
 rows against 56-215 us for XLA's GEMM, log-softmax and top-k: 1.2-3.2x the head's bytes floor
 (`python -m benchmarks.bench_draft_top_k`; BENCHMARKS.md has the table).
 
+With `noise` [G, V] (the rows in G equal groups, one noise row each) the k tokens chosen are the
+best of logits + noise, and their values are logit + noise - logsumexp(logits): at zero noise the
+log-probs, and with Gumbel noise the draft's side of a Gumbel race (a sampling tree's coupled
+candidates, proposers.py). The softmax statistics never see the noise. Row groups run as a grid
+axis, so a tile reads one noise row.
+
 A tile with fewer than k tokens (the last one, when V is not a multiple of the tile) pads its
 candidates with -inf, never chosen: there are V >= k finite logits ahead of them.
 """
@@ -87,34 +93,43 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
     return values, best_ids
 
 
-def _tile_kernel(hidden_ref, head_ref, values_ref, ids_ref, max_ref, sum_ref, *, k, block_rows, block_vocab, chunk):
-    """hidden [R, H] and head [V, H] whole; writes this program's tile of values, ids [R, T, k]
-    and max, sum [R, T]."""
-    num_rows, dim = hidden_ref.shape
+def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy):
+    """hidden [G, W, H], head [V, H] and (noisy) noise [G, V] whole; writes this program's tile of
+    values, ids [G, W, T, k] and max, sum [G, W, T]."""
+    if noisy:
+        hidden_ref, head_ref, noise_ref, values_ref, ids_ref, max_ref, sum_ref = refs
+    else:
+        hidden_ref, head_ref, values_ref, ids_ref, max_ref, sum_ref = refs
+    _, num_rows, dim = hidden_ref.shape
     vocab = head_ref.shape[0]
-    row0 = pl.program_id(0) * block_rows
-    tile = pl.program_id(1)
+    group = pl.program_id(0)
+    row0 = pl.program_id(1) * block_rows
+    tile = pl.program_id(2)
     row_ok = row0 + jnp.arange(block_rows) < num_rows
     token = tile * block_vocab + jnp.arange(block_vocab)
     token_ok = token < vocab
+    tokens = pl.ds(tile * block_vocab, block_vocab)
 
     def accumulate(c, logits):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        x = plgpu.load(hidden_ref.at[pl.ds(row0, block_rows), cols], mask=row_ok[:, None], other=0.0)
-        w = plgpu.load(head_ref.at[pl.ds(tile * block_vocab, block_vocab), cols], mask=token_ok[:, None], other=0.0)
+        x = plgpu.load(hidden_ref.at[group, pl.ds(row0, block_rows), cols], mask=row_ok[:, None], other=0.0)
+        w = plgpu.load(head_ref.at[tokens, cols], mask=token_ok[:, None], other=0.0)
         return logits + plgpu.dot(x, w, trans_b=True, allow_tf32=False)
 
     logits = lax.fori_loop(0, dim // chunk, accumulate, jnp.zeros((block_rows, block_vocab), jnp.float32))
     logits = jnp.where(token_ok[None, :], logits, -jnp.inf)
     top = jnp.max(logits, axis=1)  # finite: every tile holds at least one token
     total = jnp.sum(jnp.exp(logits - top[:, None]), axis=1)
-    plgpu.store(max_ref.at[pl.ds(row0, block_rows), tile], top, mask=row_ok)
-    plgpu.store(sum_ref.at[pl.ds(row0, block_rows), tile], total, mask=row_ok)
+    rows = (group, pl.ds(row0, block_rows), tile)
+    plgpu.store(max_ref.at[rows], top, mask=row_ok)
+    plgpu.store(sum_ref.at[rows], total, mask=row_ok)
 
+    if noisy:
+        logits = logits + plgpu.load(noise_ref.at[group, tokens], mask=token_ok, other=0.0)[None, :]
     slots = _power_of_two_at_least(k)
     ids = jnp.broadcast_to(token[None, :], logits.shape)
     values, best_ids = _top_k_rounds(logits, ids, k, slots, vocab)
-    out = (pl.ds(row0, block_rows), tile, pl.ds(0, slots))
+    out = (group, pl.ds(row0, block_rows), tile, pl.ds(0, slots))
     ok = row_ok[:, None] & (jnp.arange(slots) < k)[None, :]
     plgpu.store(values_ref.at[out], values, mask=ok)
     plgpu.store(ids_ref.at[out], best_ids, mask=ok)
@@ -144,25 +159,30 @@ def _merge_kernel(values_ref, ids_ref, max_ref, sum_ref, log_probs_ref, top_ids_
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "block_rows", "block_vocab", "num_warps", "num_stages"))
-def _head_top_k(hidden, head, *, k, interpret, block_rows, block_vocab, num_warps, num_stages):
+def _head_top_k(hidden, head, noise, *, k, interpret, block_rows, block_vocab, num_warps, num_stages):
     rows, dim = hidden.shape
     vocab = head.shape[0]
+    groups = 1 if noise is None else noise.shape[0]
+    per_group = rows // groups
     chunk = head_chunk(dim, block_vocab, head.dtype.itemsize)
     tiles = pl.cdiv(vocab, block_vocab)
-    tile_kernel = functools.partial(_tile_kernel, k=k, block_rows=block_rows, block_vocab=block_vocab, chunk=chunk)
+    tile_kernel = functools.partial(
+        _tile_kernel, k=k, block_rows=block_rows, block_vocab=block_vocab, chunk=chunk, noisy=noise is not None
+    )
+    inputs = (hidden.reshape(groups, per_group, dim), head) + (() if noise is None else (noise.astype(jnp.float32),))
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
-        grid=(pl.cdiv(rows, block_rows), tiles),
+        grid=(groups, pl.cdiv(per_group, block_rows), tiles),
         out_shape=[
-            jax.ShapeDtypeStruct((rows, tiles, k), jnp.float32),
-            jax.ShapeDtypeStruct((rows, tiles, k), jnp.int32),
-            jax.ShapeDtypeStruct((rows, tiles), jnp.float32),
-            jax.ShapeDtypeStruct((rows, tiles), jnp.float32),
+            jax.ShapeDtypeStruct((groups, per_group, tiles, k), jnp.float32),
+            jax.ShapeDtypeStruct((groups, per_group, tiles, k), jnp.int32),
+            jax.ShapeDtypeStruct((groups, per_group, tiles), jnp.float32),
+            jax.ShapeDtypeStruct((groups, per_group, tiles), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="head_top_k_tiles",
-    )(hidden, head)
+    )(*inputs)
 
     per_row = lambda *shape: pl.BlockSpec((None, *shape), lambda r: (r,) + (0,) * len(shape))
     return pl.pallas_call(
@@ -174,10 +194,15 @@ def _head_top_k(hidden, head, *, k, interpret, block_rows, block_vocab, num_warp
         compiler_params=plgpu.CompilerParams(num_warps=4 if tiles * k <= 2048 else 8, num_stages=1),
         interpret=interpret,
         name="head_top_k_merge",
-    )(values.reshape(rows, tiles * k), ids.reshape(rows, tiles * k), tile_max, tile_sum)
+    )(
+        values.reshape(rows, tiles * k),
+        ids.reshape(rows, tiles * k),
+        tile_max.reshape(rows, tiles),
+        tile_sum.reshape(rows, tiles),
+    )
 
 
-def _check(hidden, head, k) -> None:
+def _check(hidden, head, k, noise) -> None:
     if hidden.ndim != 2 or head.ndim != 2:
         raise ValueError(f"head_top_k: expected hidden [R, H] and head [V, H], got {hidden.shape} and {head.shape}")
     if hidden.shape[1] != head.shape[1]:
@@ -190,19 +215,31 @@ def _check(hidden, head, k) -> None:
         raise ValueError(f"head_top_k: k must be in [1, V={head.shape[0]}], got {k}")
     if hidden.shape[1] % fb.MIN_BLOCK:
         raise ValueError(f"head_top_k: H must be a multiple of {fb.MIN_BLOCK} (the dot's chunk), got {hidden.shape[1]}")
+    if noise is not None and (
+        noise.ndim != 2 or noise.shape[1] != head.shape[0] or noise.shape[0] < 1 or hidden.shape[0] % noise.shape[0]
+    ):
+        raise ValueError(
+            f"head_top_k: noise must be [G, V={head.shape[0]}] with G dividing the {hidden.shape[0]} rows, "
+            f"got {noise.shape}"
+        )
 
 
-def head_top_k(hidden, head, k, *, interpret=None, block_rows=None, block_vocab=None, num_warps=None, num_stages=None):
+def head_top_k(
+    hidden, head, k, *, noise=None, interpret=None, block_rows=None, block_vocab=None, num_warps=None, num_stages=None
+):
     """hidden [R, H] (any float dtype, typically bfloat16), head [V, H] (same dtype; the LM head /
     tied embedding, rows = tokens).
 
     Returns (log_probs float32[R, k], ids int32[R, k]): the k largest entries of
     log_softmax(hidden @ head.T) per row, in descending order, ties to the lower token id (as
-    jax.lax.top_k), computed with float32 accumulation. k is static. Block sizes (powers of two,
+    jax.lax.top_k), computed with float32 accumulation. k is static. noise (optional, float32
+    [G, V], G dividing R): row r's entries are ranked with noise[r // (R / G)] added, and come out
+    as log-prob + noise (module doc). Block sizes (powers of two,
     block_rows >= 16) and Triton's num_warps / num_stages default to choices for the H200.
     """
-    _check(hidden, head, k)
-    block_rows = fb.block_size(hidden.shape[0], MAX_BLOCK_ROWS) if block_rows is None else block_rows
+    _check(hidden, head, k, noise)
+    per_group = hidden.shape[0] // (1 if noise is None else noise.shape[0])
+    block_rows = fb.block_size(per_group, MAX_BLOCK_ROWS) if block_rows is None else block_rows
     block_vocab = BLOCK_VOCAB if block_vocab is None else block_vocab
     for name, size, least in (("block_rows", block_rows, fb.MIN_BLOCK), ("block_vocab", block_vocab, fb.MIN_BLOCK)):
         if size < least or size & (size - 1):
@@ -212,6 +249,7 @@ def head_top_k(hidden, head, k, *, interpret=None, block_rows=None, block_vocab=
     return _head_top_k(
         hidden,
         head,
+        noise,
         k=k,
         interpret=fb.default_interpret() if interpret is None else interpret,
         block_rows=block_rows,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from longspec_jax.acceptance import accept
+from longspec_jax.draft import candidates_from_logits
 from longspec_jax.sampling import SamplingParams, filtered_logits, gumbel_noise, pick_token, pick_with_noise
-from longspec_jax.tree import expand_level_from_top, init_tree_from_top, node_depths, race_top_k, vocab_top_k
+from longspec_jax.tree import expand_level_from_top, init_tree_from_top, node_depths, vocab_top_k
 from tests.test_acceptance import NUM_SAMPLES, SAMPLE_VOCAB, chi_square_p, filtered_probs, first_two_tokens
 
 WIDTHS = (2, 2)
@@ -30,9 +31,11 @@ def build_tree(draft, params, noise, raced=True):
     (raced), else the draft's likeliest."""
     rows = noise.shape[0]
 
-    def top(scores, d):
-        scores = filtered_logits(jnp.asarray(scores, jnp.float32), params)
-        return race_top_k(scores, noise[:, d], 2) if raced else vocab_top_k(jax.nn.log_softmax(scores, -1), 2)
+    def top(logits, d):
+        logits = jnp.asarray(logits, jnp.float32)
+        if raced:
+            return candidates_from_logits(logits, 2, params, noise[:, d])
+        return vocab_top_k(jax.nn.log_softmax(filtered_logits(logits, params), -1), 2)
 
     best, tokens = top(np.broadcast_to(draft[0], (rows, 1, SAMPLE_VOCAB)), 0)
     tree = init_tree_from_top(jnp.zeros((rows,), jnp.int32), best[:, 0], tokens[:, 0], WIDTHS)
@@ -98,15 +101,28 @@ def test_coupling_keeps_more_than_independent_picks():
     assert kept_coupled > kept_independent + 0.1, (kept_coupled, kept_independent)
 
 
-def test_race_margins_rank_the_perturbed_scores():
-    """race_top_k: each node's k best perturbed scores less its best, against numpy."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_race_margins_rank_the_perturbed_scores(temperature):
+    """candidates_from_logits when sampling: each node's k best of logit / T + noise less its best,
+    against numpy."""
     rng = np.random.default_rng(0)
-    scores = rng.normal(size=(3, 2, 7)).astype(np.float32)
+    logits = rng.normal(size=(3, 2, 7)).astype(np.float32)
     noise = rng.gumbel(size=(3, 7)).astype(np.float32)
-    margins, tokens = race_top_k(jnp.asarray(scores), jnp.asarray(noise), 3)
-    perturbed = scores + noise[:, None, :]
+    params = SamplingParams.create(temperature=temperature)
+    margins, tokens = candidates_from_logits(jnp.asarray(logits), 3, params, jnp.asarray(noise))
+    perturbed = logits / np.float32(temperature) + noise[:, None, :]
     expected_tokens = np.argsort(-perturbed, axis=-1)[..., :3]
     np.testing.assert_array_equal(tokens, expected_tokens)
     expected = np.take_along_axis(perturbed, expected_tokens, -1) - perturbed.max(-1, keepdims=True)
     np.testing.assert_allclose(margins, expected, rtol=1e-6, atol=1e-6)
     assert (np.asarray(margins[..., 0]) == 0).all()
+
+
+def test_greedy_candidates_are_the_log_probs_of_the_likeliest():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 9)), jnp.float32)
+    params = SamplingParams.create(temperature=0.0)
+    best, tokens = candidates_from_logits(logits, 4, params, jnp.zeros((2, 9)))
+    want_best, want_tokens = vocab_top_k(jax.nn.log_softmax(logits, -1), 4)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_array_equal(best, want_best)

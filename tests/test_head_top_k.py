@@ -22,6 +22,16 @@ def reference(hidden, head, k):
     return np.take_along_axis(log_probs, ids, axis=1), ids
 
 
+def reference_with_noise(hidden, head, noise, k):
+    """(log-prob + noise, ids) [R, k]: each row ranked with its group's noise row added (float64)."""
+    logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64).T
+    top = logits.max(axis=1, keepdims=True)
+    log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    scores = log_probs + np.repeat(np.asarray(noise, np.float64), hidden.shape[0] // noise.shape[0], axis=0)
+    ids = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, ids, axis=1), ids
+
+
 def random_inputs(rng, r, v, h, dtype):
     """Logits of a few units, as an LM head gives; rounded to dtype before the reference sees them."""
     hidden = jnp.asarray(rng.standard_normal((r, h)), dtype)
@@ -55,6 +65,45 @@ def test_float32_matches_float64_reference(r, v, h, k, blocks):
     assert log_probs.dtype == jnp.float32 and ids.dtype == jnp.int32
     np.testing.assert_allclose(np.asarray(log_probs), want_log_probs, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
+
+
+# (G, rows per group, V, H, k, block sizes): one group; two groups of 3 rows; 3 groups of 20 rows in
+# blocks of 16 (a group's last block partly past it); V off the tile.
+NOISE_CASES = [
+    (1, 4, 1000, 64, 4, {}),
+    (2, 3, 4099, 96, 2, {}),
+    (3, 20, 1000, 64, 5, {"block_rows": 16, "block_vocab": 128}),
+]
+
+
+@pytest.mark.parametrize("g,w,v,h,k,blocks", NOISE_CASES)
+def test_noise_ranks_each_group_against_float64_reference(g, w, v, h, k, blocks):
+    """With Gumbel noise per group, the kernel's picks and values are the reference's: the noise
+    moves which tokens win (the test fails if a row reads another group's noise or none)."""
+    rng = np.random.default_rng([g, w, v, k])
+    hidden, head = random_inputs(rng, g * w, v, h, jnp.float32)
+    noise = jnp.asarray(rng.gumbel(size=(g, v)), jnp.float32)
+
+    values, ids = head_top_k(hidden, head, k, noise=noise, interpret=True, **blocks)
+
+    want_values, want_ids = reference_with_noise(as_f64(hidden), as_f64(head), np.asarray(noise), k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(values), want_values, rtol=1e-5, atol=1e-5)
+    _, plain_ids = reference(as_f64(hidden), as_f64(head), k)
+    assert (want_ids != plain_ids).any()  # the noise changed the picks: the test can tell
+    if g > 1:
+        shuffled = reference_with_noise(as_f64(hidden), as_f64(head), np.asarray(noise)[::-1], k)[1]
+        assert (want_ids != shuffled).any()
+
+
+def test_zero_noise_gives_the_log_probs():
+    hidden, head = random_inputs(np.random.default_rng(3), 6, 1000, 64, jnp.float32)
+
+    values, ids = head_top_k(hidden, head, 4, noise=jnp.zeros((2, 1000)), interpret=True)
+
+    want_values, want_ids = head_top_k(hidden, head, 4, interpret=True)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
 
 @pytest.mark.parametrize("r,v,h,k,blocks", [(3, 1000, 576, 16, {}), (37, 4099, 96, 4, {"block_rows": 16})])
@@ -118,6 +167,8 @@ def bad_inputs():
     yield "H not a multiple of 16", (hidden[:, :40], head[:, :40], 4), {}, "multiple of 16"
     yield "block_vocab", (hidden, head, 4), {"block_vocab": 96}, "block_vocab must be a power of two"
     yield "block_rows", (hidden, head, 4), {"block_rows": 8}, "block_rows must be a power of two"
+    yield "noise of another V", (hidden, head, 4), {"noise": jnp.zeros((1, 99))}, r"noise must be \[G, V=100\]"
+    yield "noise groups", (hidden, head, 4), {"noise": jnp.zeros((3, 100))}, "G dividing the 2 rows"
 
 
 @pytest.mark.parametrize("name,args,kwargs,match", list(bad_inputs()), ids=[c[0] for c in bad_inputs()])

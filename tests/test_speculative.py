@@ -18,7 +18,7 @@ from scipy import stats
 
 from longspec_jax.decode_kit import SMALL_BUCKETS_UP_TO, StopRule, cache_bytes, compiled, prefill
 from longspec_jax.decode_loop import LoopConfig, decode, propose, start
-from longspec_jax.draft import DraftConfig, draft_hidden
+from longspec_jax.draft import DraftConfig, candidates_from_logits, draft_hidden
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
 from longspec_jax.generation import DecodeRequest, Generator, generate
@@ -27,7 +27,7 @@ from longspec_jax.proposers import DraftProposer, proposer_for
 from longspec_jax.round_profile import _repeat_propose, _repeat_verify, profile_round, profile_round_parts
 from longspec_jax.sampling import SamplingParams, SamplingSettings, filtered_log_probs
 from longspec_jax.target import random_target
-from longspec_jax.tree import node_depths, vocab_top_k
+from longspec_jax.tree import node_depths
 from tests.tiny_models import tiny_config
 
 WIDTHS = (3, 4, 4)  # small tree: depth 3, 12 nodes + root
@@ -102,8 +102,8 @@ class OracleDraft:
     ):
         return self._logits(params, tokens, root_positions[:, None] + depth), state
 
-    def top_k(self, params, target_model, logits, k, attn_impl):  # its features are its logits
-        return vocab_top_k(jax.nn.log_softmax(logits, axis=-1), k)
+    def candidates(self, params, target_model, logits, k, attn_impl, sampling, noise):  # its features are its logits
+        return candidates_from_logits(logits, k, sampling, noise)
 
     def logits(self, params, target_model, logits):
         return logits

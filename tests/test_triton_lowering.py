@@ -130,6 +130,16 @@ def test_head_top_k_lowers_to_valid_triton_modules(lowered_modules, r, v, h, k):
     assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})
 
 
+@pytest.mark.parametrize("g,w,k", [(1, 4, 4), (2, 16, 2)])
+def test_head_top_k_with_noise_lowers_to_valid_triton_modules(lowered_modules, g, w, k):
+    """A sampling tree's coupled candidates at SmolLM2's head: a noise row per group of rows."""
+    v, h = 49152, 576
+    x, head = jax.ShapeDtypeStruct((g * w, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16)
+    noise = jax.ShapeDtypeStruct((g, v), jnp.float32)
+    lower_for_cuda(lambda x, head, noise: head_top_k(x, head, k, noise=noise, interpret=False), x, head, noise)
+    assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})
+
+
 # (M, N, K, swiglu, the optional arrays): SmolLM2's projections (qkv, o, gate|up, down) at 1 and 69
 # rows and a 7B's at 74, bf16; a bias on one.
 FUSED_LINEAR_SHAPES = [
