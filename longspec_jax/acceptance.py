@@ -16,9 +16,9 @@ Coupled candidates (`Tree.noise`, a draft tree when sampling): the picks need no
 across nodes, only each emitted token must be the target's exact sample given the tokens before it.
 So every node of depth d picks with one shared Gumbel noise g_d (argmax of its filtered logits + g_d:
 an exact sample of its distribution), g_0, g_1, ... independent, and the draft chose level d + 1 by
-racing its own filtered logits under the same g_d (draft.candidates_from_logits): where the draft's
-distribution is close to the target's, the target's pick is then a candidate far more often than an independent
-sample would be. Exactness: the walk emits x_1 = argmax(log p_root + g_0), x_2 = argmax(log
+racing its own filtered logits under the same g_d (draft.candidates_from_logits): where the
+draft's distribution is close to the target's, the target's pick is then a candidate far more often
+than an independent sample would be. Exactness: the walk emits x_1 = argmax(log p_root + g_0), x_2 = argmax(log
 p(.|x_1) + g_1), ..., the tokens target-only sampling with these noises would emit, and it stops at
 the first x_{d+1} that no child carries, an event decided by g_0..g_d and the draft alone (the draft
 chose depth d + 1 from g_d and the tokens above), never by noise of a later depth. A round's stop

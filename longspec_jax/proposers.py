@@ -25,8 +25,8 @@ static config); its parameters travel apart as a jit argument, its state rides i
 - `DraftProposer` (mode "longspec"): the LongSpec draft. It feeds the tokens kept last round to the
   draft (`commit`, which also gives the root's distribution), then grows the tree level by level
   (`propose_level`, tree.py's beam; when sampling, the beam over the draft's race under the noise
-  the target's picks will use, `draft.candidates_from_logits`). The draft owns its ring buffer and tree slots
-  (draft.py). A chain (every width 1) is drawn instead: each token at random from the draft's
+  the target's picks will use, `draft.candidates_from_logits`). The draft owns its ring buffer and
+  tree slots (draft.py). A chain (every width 1) is drawn instead: each token at random from the draft's
   distribution under the request's sampling settings (its argmax when greedy), verified by
   speculative sampling (acceptance.accept_drawn_chain), which at T > 0 keeps more than the draft's
   likeliest token would.

@@ -13,21 +13,14 @@ import pytest
 from pallas_kernels.head_top_k import head_top_k
 
 
-def reference(hidden, head, k):
-    """(log_probs, ids) [R, k] from float64 logits of the inputs as given (already rounded)."""
+def reference(hidden, head, k, noise=None):
+    """(log_probs, ids) [R, k] from float64 logits of the inputs as given (already rounded). With
+    noise [G, V]: (log-prob + noise, ids), each row ranked with its group's noise row added."""
     logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64).T
     top = logits.max(axis=1, keepdims=True)
-    log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
-    ids = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(log_probs, ids, axis=1), ids
-
-
-def reference_with_noise(hidden, head, noise, k):
-    """(log-prob + noise, ids) [R, k]: each row ranked with its group's noise row added (float64)."""
-    logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64).T
-    top = logits.max(axis=1, keepdims=True)
-    log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
-    scores = log_probs + np.repeat(np.asarray(noise, np.float64), hidden.shape[0] // noise.shape[0], axis=0)
+    scores = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    if noise is not None:
+        scores = scores + np.repeat(np.asarray(noise, np.float64), hidden.shape[0] // noise.shape[0], axis=0)
     ids = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(scores, ids, axis=1), ids
 
@@ -86,13 +79,13 @@ def test_noise_ranks_each_group_against_float64_reference(g, w, v, h, k, blocks)
 
     values, ids = head_top_k(hidden, head, k, noise=noise, interpret=True, **blocks)
 
-    want_values, want_ids = reference_with_noise(as_f64(hidden), as_f64(head), np.asarray(noise), k)
+    want_values, want_ids = reference(as_f64(hidden), as_f64(head), k, np.asarray(noise))
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(values), want_values, rtol=1e-5, atol=1e-5)
     _, plain_ids = reference(as_f64(hidden), as_f64(head), k)
     assert (want_ids != plain_ids).any()  # the noise changed the picks: the test can tell
     if g > 1:
-        shuffled = reference_with_noise(as_f64(hidden), as_f64(head), np.asarray(noise)[::-1], k)[1]
+        shuffled = reference(as_f64(hidden), as_f64(head), k, np.asarray(noise)[::-1])[1]
         assert (want_ids != shuffled).any()
 
 
