@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from infer.generate import parse_tree_widths
 from longspec_jax import decode_kit, generation
 from longspec_jax.config import ModelConfig
 from longspec_jax.draft import DraftConfig
@@ -183,9 +184,12 @@ def ar_step_bytes(model, rows: int, batch: int = 1) -> int:
     return int(weights + kv * jnp.dtype(model.dtype).itemsize)
 
 
-def measure(target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="") -> dict:
+def measure(
+    target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="", tree_widths=None
+) -> dict:
     """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
     kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft, attn_impl=attn_impl)
+    kwargs |= {"tree_widths": tree_widths} if tree_widths else {}
     known = set(decode_kit._COMPILED)
     generation.generate(target, prompt, **kwargs)  # compiles and warms up
     programs = new_loop_programs(known, hlo_out, label)
@@ -211,6 +215,9 @@ class _AsLoaded(Target):
 
     def decode_model(self):
         return self.model
+
+
+VARIANTS = ("before", "after", "fused_projections")
 
 
 def variants(target) -> dict[str, Target]:
@@ -254,7 +261,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--random", action="store_true", help="SmolLM2's shape with random weights and draft")
     parser.add_argument("--hlo-out", type=Path, help="write each decode loop's optimised HLO text here")
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), help="default: fastest for the backend")
+    parser.add_argument("--variants", help="comma-separated, of: before, after, fused_projections (default: all)")
+    parser.add_argument("--tree-widths", help="LongSpec's tree, e.g. 4,4,4 (default: the default tree)")
     args = parser.parse_args(argv)
+    chosen = VARIANTS if not args.variants else tuple(args.variants.split(","))
+    if set(chosen) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(chosen) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
     prompt_tokens = args.prompt_tokens or (100 if args.small else 4500)
     new_tokens = args.new_tokens or (16 if args.small else 256)
     repeats = args.repeats or (1 if args.small else 5)
@@ -267,7 +279,10 @@ def main(argv=None) -> list[dict]:
     )
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     rows = []
+    widths = parse_tree_widths(args.tree_widths)
     for name, variant in variants(target).items():
+        if name not in chosen:
+            continue
         ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
         # the K/V rows at the generation's midpoint
         floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt) + new_tokens // 2) / bandwidth
@@ -283,7 +298,9 @@ def main(argv=None) -> list[dict]:
             f"floor {floor_ms:.3f} ms ({row['ar_vs_floor']:.1f}x)"
         )
         if draft is not None and not args.no_longspec:
-            spec = measure(variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
+            spec = measure(
+                variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name, widths
+            )
             row |= {"round_kernels": spec["kernels"], "round_ms": spec["ms"], "round_vs_ar_step": spec["ms"] / ar["ms"]}
             row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
             print(

@@ -5,7 +5,15 @@ tokens: with a random draft a greedy round keeps one token, so both modes run 23
 compile, once under `jax.profiler.trace` (a Perfetto trace per mode under --out). Then it sums the
 GPU kernels that ran after the prefill by class (GEMMs, the Pallas attention and its combine, the
 vocabulary top-k, other XLA fusions, copies) and prints milliseconds per round, beside the kernels'
-busy time and the span per round. A kernel-time-bound loop has busy ~ span.
+busy time and the span per round.
+
+While a profiler is attached XLA runs each kernel as its own launch from the host instead of replaying
+the loop's command buffers (CUDA graphs), unless told otherwise: the profile would show gaps between
+kernels that an unprofiled loop does not have. The trace is therefore recorded with
+`--xla_enable_command_buffers_during_profiling=true` (added to XLA_FLAGS unless set there), as the
+loop really runs; `--op-by-op` records it XLA's default way. The profiler still slows the graphs'
+launches, so compare the busy time with the loop's own time per round (`benchmarks.decode_kernels`),
+not with the span.
 
     python -m benchmarks.trace_round --out /tmp/trace      # GPU
     python -m benchmarks.trace_round --out /tmp/trace --fused-projections
@@ -19,6 +27,7 @@ import argparse
 import collections
 import gzip
 import json
+import os
 from pathlib import Path
 
 # Kernel name fragment -> class, first match wins.
@@ -100,9 +109,27 @@ def print_summary(label: str, summary: dict) -> None:
             print(f"  {cls:18s} {n:6.1f} kernels {ms:7.3f} ms")
 
 
+GRAPHS_WHILE_PROFILING = "xla_enable_command_buffers_during_profiling"
+
+
+def with_graphs_while_profiling(xla_flags: str) -> str:
+    """XLA_FLAGS with command buffers kept on under the profiler, unless the flags already say."""
+    if GRAPHS_WHILE_PROFILING in xla_flags:
+        return xla_flags
+    return f"{xla_flags} --{GRAPHS_WHILE_PROFILING}=true".strip()
+
+
 def record(
-    out: Path, prompt_tokens: int, new_tokens: int, fused_projections: bool, tree_widths=None, temperature: float = 0.0
+    out: Path,
+    prompt_tokens: int,
+    new_tokens: int,
+    fused_projections: bool,
+    tree_widths=None,
+    temperature: float = 0.0,
+    op_by_op: bool = False,
 ) -> dict[str, Path]:
+    if not op_by_op:  # read by XLA when jax starts its backend, which importing jax below does not yet
+        os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,12 +166,21 @@ def main(argv=None) -> None:
     parser.add_argument("--fused-projections", action="store_true", help="the projections as fused Pallas kernels")
     parser.add_argument("--tree-widths", type=lambda s: tuple(int(w) for w in s.split(",")), help="e.g. 1 or 4,16,16")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--op-by-op", action="store_true", help="profile as XLA does by default: every kernel launched from the host"
+    )
     args = parser.parse_args(argv)
     if args.summarise:
         traces = {args.summarise.name: (args.summarise, args.rounds)}
     else:
         traces = record(
-            args.out, args.prompt_tokens, args.new_tokens, args.fused_projections, args.tree_widths, args.temperature
+            args.out,
+            args.prompt_tokens,
+            args.new_tokens,
+            args.fused_projections,
+            args.tree_widths,
+            args.temperature,
+            args.op_by_op,
         )
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))

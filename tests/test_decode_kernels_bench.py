@@ -1,7 +1,10 @@
 """benchmarks/decode_kernels.py runs end to end on a tiny model (CPU): every variant, AR and
 LongSpec rows, kernel counts from the compiled loops, and the closing table."""
 
+import pytest
+
 from benchmarks import decode_kernels
+from longspec_jax import decode_kit
 
 
 def test_small_run_reports_every_variant_and_fewer_kernels_after(capsys):
@@ -20,6 +23,18 @@ def test_small_run_reports_every_variant_and_fewer_kernels_after(capsys):
     assert "AR kernels" in table[0]
     assert [line.split()[0] for line in table[1:4]] == ["before", "after", "fused_projections"]
     assert str(after["ar_kernels"]) in table[2].split()
+
+
+def test_one_variant_with_a_chosen_tree(monkeypatch):
+    monkeypatch.setattr(decode_kit, "_COMPILED", {})  # the kernels are counted from programs compiled here
+    (row,) = decode_kernels.main(["--small", "--repeats", "1", "--variants", "after", "--tree-widths", "2,2"])
+    assert row["variant"] == "after" and row["round_kernels"] > row["ar_kernels"] > 0
+
+
+def test_an_unknown_variant_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit):
+        decode_kernels.main(["--small", "--variants", "after,faster"])
+    assert "unknown variants ['faster']" in capsys.readouterr().err
 
 
 LOOP_MODULE = """HloModule m

@@ -30,6 +30,7 @@ WINDOW = 8
 SIZES = [1, 3, 5, 3, 1, 5, 3, 1, 5, 3]  # step block sizes: 30 tokens, few distinct shapes to compile
 CFG = tiny_config()
 HKV, D, V = CFG.num_kv_heads, CFG.head_dim, CFG.vocab_size
+KERNEL_HEAD_DIM = 64  # the smallest head dim the Pallas kernels take
 
 
 def _randomized(module, seed, std):
@@ -46,9 +47,10 @@ def _randomized(module, seed, std):
 
 
 @functools.cache
-def _models(window=WINDOW):
-    target = _randomized(random_target(CFG, seed=1).model, 11, 0.3)
-    block = _randomized(DraftBlock(CFG, DraftConfig(window=window), rngs=nnx.Rngs(0)), 12, 0.15)
+def _models(window=WINDOW, head_dim=D):
+    config = tiny_config(head_dim=head_dim)
+    target = _randomized(random_target(config, seed=1).model, 11, 0.3)
+    block = _randomized(DraftBlock(config, DraftConfig(window=window), rngs=nnx.Rngs(0)), 12, 0.15)
     return block, target
 
 
@@ -62,11 +64,11 @@ def _inference_block(block, layout):
     return block if rows is None else block.inference_layout(rows)
 
 
-def _inputs(b, l, seed=0):
+def _inputs(b, l, seed=0, head_dim=D):
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, V, (b, l)), jnp.int32)
-    target_k = jnp.asarray(rng.normal(size=(b, l, HKV, D)), jnp.float32)
-    target_v = jnp.asarray(rng.normal(size=(b, l, HKV, D)), jnp.float32)
+    target_k = jnp.asarray(rng.normal(size=(b, l, HKV, head_dim)), jnp.float32)
+    target_v = jnp.asarray(rng.normal(size=(b, l, HKV, head_dim)), jnp.float32)
     return tokens, target_k, target_v
 
 
@@ -80,19 +82,19 @@ def _train_logits(block, target, tokens, positions, target_k, target_v, lag):
 
 
 # Jitted as the engine will run it; one compile per block shape keeps the tests fast.
-def _commit_logits(block, target, *args):
+def _commit_logits(block, target, *args, attn_impl=None):
     """draft_commit with the LM head's logits of its features (what these tests compare)."""
-    features, state = draft_commit(block, target, *args)
+    features, state = draft_commit(block, target, *args, attn_impl=attn_impl)
     return target.lm_logits(features), state
 
 
-def _propose_level_logits(block, target, state, tokens, depth, *args):
-    features, state = draft_propose_level(block, target, state, tokens, depth, *args)
+def _propose_level_logits(block, target, state, tokens, depth, *args, attn_impl=None):
+    features, state = draft_propose_level(block, target, state, tokens, depth, *args, attn_impl=attn_impl)
     return target.lm_logits(features), state
 
 
-_commit = nnx.jit(_commit_logits)
-_propose_level = nnx.jit(_propose_level_logits, static_argnames=("depth",))
+_commit = nnx.jit(_commit_logits, static_argnames=("attn_impl",))
+_propose_level = nnx.jit(_propose_level_logits, static_argnames=("depth", "attn_impl"))
 _prefill = nnx.jit(draft_prefill)
 
 
@@ -157,7 +159,7 @@ def test_sliding_window_attention_matches_band_reference(length):
     np.testing.assert_allclose(np.asarray(local), want, atol=2e-5)
 
 
-def _run_steps(block, target, state, tokens, positions, target_k, target_v, start, sizes):
+def _run_steps(block, target, state, tokens, positions, target_k, target_v, start, sizes, attn_impl=None):
     """Commit tokens[:, start:] block by block, as the LongSpec proposer does."""
     b = tokens.shape[0]
     out, t0 = [], start
@@ -171,24 +173,30 @@ def _run_steps(block, target, state, tokens, positions, target_k, target_v, star
             jnp.ones((b, t), bool),
             target_k,
             target_v,
+            attn_impl=attn_impl,
         )
         out.append(np.asarray(logits))
         t0 += t
     return np.concatenate(out, axis=1), state
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_ring_buffer_commits_match_training_forward(layout):
+@pytest.mark.parametrize(
+    "layout,attn_impl", [(layout, "xla") for layout in LAYOUTS] + [("packed, small rows as reductions", "pallas")]
+)
+def test_ring_buffer_commits_match_training_forward(layout, attn_impl):
     """Blocks of 1, 3, 5 tokens through a ring of W = 8 slots, wrapping around 4 times, against the
-    full-sequence training forward with lag 1 (a commit's cross-attention)."""
-    trained, target = _models()
+    full-sequence training forward with lag 1 (a commit's cross-attention). Impl "pallas": the
+    cross-attention over the target's cache as the GPU's kernel runs it (interpret mode), at a head
+    dim it takes."""
+    head_dim = KERNEL_HEAD_DIM if attn_impl == "pallas" else D
+    trained, target = _models(head_dim=head_dim)
     block = _inference_block(trained, layout)
     b, l = 2, sum(SIZES)
-    tokens, target_k, target_v = _inputs(b, l)
+    tokens, target_k, target_v = _inputs(b, l, head_dim=head_dim)
     positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
     want = _train_logits(trained, target, tokens, positions, target_k, target_v, 1)
     state = init_draft_state(block, b, tree_slots=4)
-    got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, 0, SIZES)
+    got, state = _run_steps(block, target, state, tokens, positions, target_k, target_v, 0, SIZES, attn_impl)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(
@@ -245,13 +253,16 @@ def test_sliding_window_is_exact_in_training_and_inference():
         np.testing.assert_allclose(base[:, k + WINDOW + 1 :], other[:, k + WINDOW + 1 :], atol=1e-6)
 
 
-def test_tree_levels_through_tree_slots_match_ancestor_chains():
+@pytest.mark.parametrize("attn_impl", ["xla", "pallas"])
+def test_tree_levels_through_tree_slots_match_ancestor_chains(attn_impl):
     """A tree of widths (2, 3) after a prefix: level 1 fed as the tree's level, level 2 (3 nodes,
     ancestors in their tree slots) == each node committed as the chain [parent, node] in one
-    block; nothing enters the ring."""
-    block, target = _models()
+    block; nothing enters the ring. Impl "pallas" as the GPU runs it (interpret mode), against
+    chains committed through XLA, at a head dim the kernels take."""
+    head_dim = KERNEL_HEAD_DIM if attn_impl == "pallas" else D
+    block, target = _models(head_dim=head_dim)
     b, prefix = 2, 11
-    tokens, target_k, target_v = _inputs(b, prefix + 2, seed=5)
+    tokens, target_k, target_v = _inputs(b, prefix + 2, seed=5, head_dim=head_dim)
     fresh = init_draft_state(block, b, tree_slots=6)
     state0 = _prefill(block, target, fresh, tokens[:, :prefix], jnp.full((b,), prefix, jnp.int32))
     rng = np.random.default_rng(6)
@@ -269,7 +280,16 @@ def test_tree_levels_through_tree_slots_match_ancestor_chains():
 
     def level(state, toks, depth, rows):
         return _propose_level(
-            block, target, state, toks, depth, sees[:, rows, : rows.stop], root_positions, target_k, target_v
+            block,
+            target,
+            state,
+            toks,
+            depth,
+            sees[:, rows, : rows.stop],
+            root_positions,
+            target_k,
+            target_v,
+            attn_impl=attn_impl,
         )
 
     logits1, state1 = level(state0, level1, 1, slice(1, 3))
@@ -291,8 +311,8 @@ def test_tree_levels_through_tree_slots_match_ancestor_chains():
             target_k[:, :root],
             target_v[:, :root],
         )
-        np.testing.assert_allclose(np.asarray(logits1[:, p]), np.asarray(want[:, 0]), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(logits2[:, i]), np.asarray(want[:, 1]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits1[:, p]), np.asarray(want[:, 0]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits2[:, i]), np.asarray(want[:, 1]), atol=1e-5, rtol=1e-5)
     assert np.abs(np.asarray(logits2[:, 0] - logits2[:, 1])).max() > 1e-3
 
 

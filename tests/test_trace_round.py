@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.trace_round import kernel_class, summarise, top_kernels
+from benchmarks.trace_round import kernel_class, summarise, top_kernels, with_graphs_while_profiling
 
 
 def trace(*kernels):
@@ -66,3 +66,13 @@ def test_a_cublas_gemm_inside_the_loop_is_counted_and_the_top_kernels_are_ranked
     assert [name for name, _, _ in top] == ["nvjet_sm90_tss_192x72", "gemm_fusion_dot_1"]
     assert top[0][1:] == (1.0, pytest.approx(0.020))
     assert top[1][1:] == (1.0, pytest.approx(0.005))
+
+
+def test_the_trace_keeps_command_buffers_unless_the_flags_say_otherwise():
+    assert with_graphs_while_profiling("") == "--xla_enable_command_buffers_during_profiling=true"
+    assert with_graphs_while_profiling("--xla_gpu_enable_pdl=true").split() == [
+        "--xla_gpu_enable_pdl=true",
+        "--xla_enable_command_buffers_during_profiling=true",
+    ]
+    chosen = "--xla_enable_command_buffers_during_profiling=false"
+    assert with_graphs_while_profiling(chosen) == chosen

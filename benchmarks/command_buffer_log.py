@@ -1,0 +1,113 @@
+"""What XLA's GPU runtime does with the decode loop's command buffers (CUDA graphs), call by call.
+
+Each loop iteration replays its kernels as a command buffer. A buffer is recorded once (graphs
+created, kernel nodes added), and before a replay its kernels' arguments are checked against the
+last replay's: when a buffer address changed, the kernel node is updated in the graph executable,
+which costs host time per node. This decodes a few times (SmolLM2's shape, random weights) with
+XLA's command-buffer logging on and counts, per decode call, the graphs created, the replays, the
+node updates and the nodes found unchanged:
+
+    python -m benchmarks.command_buffer_log --mode longspec --tree-widths 4,4,4
+
+A steady loop replays about one command buffer per round and updates nothing after its first calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+# XLA's source files that log command buffer work (TF_CPP_VMODULE takes their base names).
+LOGGING_MODULES = ("command_buffer_thunk", "command_executor", "cuda_command_buffer", "gpu_command_buffer")
+MARK = "=== decode call"
+EVENTS = {
+    "graphs created": "Create new CUDA graph",
+    "replays": "Launch command buffer executable graph",
+    "nodes updated": "Set kernel node params",
+    "nodes unchanged": "Skip updating command",
+}
+
+
+UPDATE_TIME = re.compile(r"Updated \d+ commands in (\d+)")
+
+
+def summarise(log: str) -> list[dict]:
+    """Per decode call (between the child's marks): {"call", "rounds", event: count, "update ms":
+    the host time XLA reports for updating its command buffers}."""
+    calls, current = [], None
+    for line in log.splitlines():
+        if line.startswith(MARK):
+            fields = line[len(MARK) :].split()
+            if fields[-2:-1] == ["rounds"]:  # the call's end: "<label> rounds N"
+                current["rounds"] = int(fields[-1])
+                calls.append(current)
+                current = None
+            else:
+                current = {"call": " ".join(fields), "rounds": None} | dict.fromkeys(EVENTS, 0) | {"update ms": 0.0}
+            continue
+        if current is not None:
+            for event, text in EVENTS.items():
+                if text in line:
+                    current[event] += 1
+            if m := UPDATE_TIME.search(line):
+                current["update ms"] += int(m.group(1)) / 1e3
+    return calls
+
+
+def child(mode: str, widths, prompt_tokens: int, new_tokens: int, calls: int) -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from longspec_jax.draft_io import init_draft
+    from longspec_jax.generation import Generator
+    from longspec_jax.model_shapes import MODEL_SHAPES
+    from longspec_jax.target import random_target
+
+    target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+    draft = None if mode == "ar" else init_draft(target, seed=1).cast(jnp.bfloat16)
+    prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, prompt_tokens).tolist()
+    generator = Generator(target, draft, mode=mode, tree_widths=widths)
+    for call in range(calls):
+        label = f"{mode} {call}"
+        print(f"{MARK} {label}", file=sys.stderr, flush=True)
+        result = generator.generate(prompt, max_new_tokens=new_tokens, eos_token_ids=())
+        print(f"{MARK} {label} rounds {result.stats.rounds}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", default="longspec", choices=("ar", "longspec", "auto"))
+    parser.add_argument("--tree-widths", help="e.g. 4,4,4 (default: the mode's)")
+    parser.add_argument("--prompt-tokens", type=int, default=2500)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    widths = None if args.tree_widths is None else tuple(int(w) for w in args.tree_widths.split(","))
+    if args.child:
+        child(args.mode, widths, args.prompt_tokens, args.new_tokens, args.calls)
+        return []
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=",".join(f"{m}=3" for m in LOGGING_MODULES))
+    argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.command_buffer_log", "--child", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"the decode failed:\n{tail}")
+    calls = summarise(done.stderr)
+    print(f"{'call':>14} {'rounds':>6} " + " ".join(f"{e:>15}" for e in EVENTS) + f" {'update ms':>9}")
+    for c in calls:
+        counts = " ".join(f"{c[e]:>15}" for e in EVENTS)
+        print(f"{c['call']:>14} {c['rounds']:>6} {counts} {c['update ms']:9.2f}")
+    return calls
+
+
+if __name__ == "__main__":
+    main()
