@@ -20,6 +20,8 @@ import re
 import subprocess
 import sys
 
+from infer.generate import parse_tree_widths
+
 # XLA's source files that log command buffer work (TF_CPP_VMODULE takes their base names).
 LOGGING_MODULES = ("command_buffer_thunk", "command_executor", "cuda_command_buffer", "gpu_command_buffer")
 MARK = "=== decode call"
@@ -86,14 +88,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    widths = None if args.tree_widths is None else tuple(int(w) for w in args.tree_widths.split(","))
+    widths = parse_tree_widths(args.tree_widths)
     if args.child:
         child(args.mode, widths, args.prompt_tokens, args.new_tokens, args.calls)
         return []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=",".join(f"{m}=3" for m in LOGGING_MODULES))
-    argv = [a for a in (argv if argv is not None else sys.argv[1:])]
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.command_buffer_log", "--child", *argv],
+        [sys.executable, "-m", "benchmarks.command_buffer_log", "--child", *(sys.argv[1:] if argv is None else argv)],
         env=env,
         capture_output=True,
         text=True,

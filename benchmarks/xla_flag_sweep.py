@@ -47,9 +47,11 @@ def run_setting(flags: str, bench_args: list[str], timeout: float) -> dict:
     match = ROW.search(done.stdout)
     if done.returncode != 0 or match is None:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        # XLA reports a flag it cannot take on an E/F log line, then prints every flag's usage
+        # XLA reports a flag it cannot take on its first error log line, then prints every flag's usage
         logged = [line.split("] ", 1)[-1] for line in lines if re.match(r"[EF]\d{4} ", line)]
-        return {"error": (logged or lines or [f"exit status {done.returncode}"])[-1 if not logged else 0]}
+        if logged:
+            return {"error": logged[0]}
+        return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
     return {k: float(v) for k, v in match.groupdict().items() if v is not None}
 
 
