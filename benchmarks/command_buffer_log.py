@@ -60,17 +60,11 @@ def summarise(log: str) -> list[dict]:
 
 
 def child(mode: str, widths, prompt_tokens: int, new_tokens: int, calls: int) -> None:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from longspec_jax.draft_io import init_draft
+    from benchmarks.decode_kernels import setup
     from longspec_jax.generation import Generator
-    from longspec_jax.model_shapes import MODEL_SHAPES
-    from longspec_jax.target import random_target
 
-    target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
-    draft = None if mode == "ar" else init_draft(target, seed=1).cast(jnp.bfloat16)
-    prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, prompt_tokens).tolist()
+    target, draft, prompt = setup(small=False, prompt_tokens=prompt_tokens, random_weights=True)
+    draft = None if mode == "ar" else draft
     generator = Generator(target, draft, mode=mode, tree_widths=widths)
     for call in range(calls):
         label = f"{mode} {call}"

@@ -189,7 +189,7 @@ def measure(
 ) -> dict:
     """Compile (counting the loop's kernels), warm up, then the median ms per loop iteration."""
     kwargs = dict(mode=mode, max_new_tokens=new_tokens, eos_token_ids=(), draft=draft, attn_impl=attn_impl)
-    kwargs |= {"tree_widths": tree_widths} if tree_widths else {}
+    kwargs["tree_widths"] = tree_widths
     known = set(decode_kit._COMPILED)
     generation.generate(target, prompt, **kwargs)  # compiles and warms up
     programs = new_loop_programs(known, hlo_out, label)
