@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import statistics
 import time
@@ -263,6 +264,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), help="default: fastest for the backend")
     parser.add_argument("--variants", help="comma-separated, of: before, after, fused_projections (default: all)")
     parser.add_argument("--tree-widths", help="LongSpec's tree, e.g. 4,4,4 (default: the default tree)")
+    parser.add_argument("--json", type=Path, help="also write the table's rows here, as a JSON list")
     args = parser.parse_args(argv)
     chosen = VARIANTS if not args.variants else tuple(args.variants.split(","))
     if set(chosen) - set(VARIANTS):
@@ -309,6 +311,8 @@ def main(argv=None) -> list[dict]:
             )
         rows.append(row)
     print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     return rows
 
 

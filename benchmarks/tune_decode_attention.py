@@ -84,10 +84,10 @@ def layer_seconds(config, inputs, layers: int, knobs: dict) -> float:
 
 
 def tune(
-    config, batch: int, t: int, context: int, layers: int, log=print, search: bool = True
+    config, batch: int, t: int, context: int, layers: int, log=print, search: bool = True, verbose: bool = False
 ) -> tuple[dict, float, float]:
     """(best knobs, its us per layer, the default's us per layer) at one shape; search=False times
-    the default alone."""
+    the default alone, verbose logs every trial (not only the improvements)."""
     capacity = context + 512
     inputs = make_inputs(config, batch, t, context, capacity, layers)
     seen: dict[tuple, float] = {}
@@ -109,6 +109,8 @@ def tune(
         for value in values:
             trial = {**best, name: value}
             us = measure(trial)
+            if verbose:
+                log(f"    {name}={value}: {us:.2f} us/layer")
             if us < best_us:
                 best, best_us = trial, us
                 log(f"    {name}={value}: {us:.2f} us/layer (best so far)")
@@ -123,6 +125,7 @@ def main(argv=None) -> None:
     parser.add_argument("--context", type=int, default=4500, help="cache rows already held")
     parser.add_argument("--layers", type=int, default=None, help="layer calls per iteration (the model's)")
     parser.add_argument("--defaults-only", action="store_true", help="time the launch the model uses, no search")
+    parser.add_argument("--verbose", action="store_true", help="print every trial, not only the improvements")
     args = parser.parse_args(argv)
     config = MODEL_SHAPES[args.shape]
     layers = args.layers or config.num_layers
@@ -130,7 +133,9 @@ def main(argv=None) -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for t in (int(x) for x in args.tree_sizes.split(",")):
-            best, best_us, default_us = tune(config, batch, t, args.context, layers, search=not args.defaults_only)
+            best, best_us, default_us = tune(
+                config, batch, t, args.context, layers, search=not args.defaults_only, verbose=args.verbose
+            )
             rows.append((batch, t, default_us, best_us, best))
     print(
         "\n| B | T | default us/layer | best us/layer | gain | best knobs |\n| ---: | ---: | ---: | ---: | ---: | --- |"

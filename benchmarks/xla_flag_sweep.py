@@ -16,16 +16,16 @@ last line; the others still run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
-ROW = re.compile(
-    r"^\s*after\s+(?P<ar_kernels>\d+)\s+(?P<ar_ms>[\d.]+)\s+(?P<ar_tps>\d+)\s+[\d.]+\s+[\d.]+"
-    r"(?:\s+(?P<round_kernels>\d+)\s+(?P<round_ms>[\d.]+)\s+(?P<round_vs_ar>[\d.]+))?",
-    re.M,
-)
+# What decode_kernels' row holds that the table reports.
+FIELDS = ("ar_kernels", "ar_step_ms", "ar_tokens_per_s", "round_kernels", "round_ms", "round_vs_ar_step")
 
 
 def parse_setting(text: str) -> tuple[str, str]:
@@ -36,23 +36,25 @@ def parse_setting(text: str) -> tuple[str, str]:
 
 
 def run_setting(flags: str, bench_args: list[str], timeout: float) -> dict:
-    """decode_kernels' 'after' row under XLA_FLAGS += flags -> {ar_ms, round_ms, ...} or {error}."""
+    """decode_kernels' 'after' row under XLA_FLAGS += flags -> {ar_step_ms, round_ms, ...} or {error}."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(x for x in (env.get("XLA_FLAGS", ""), flags) if x)
-    command = [sys.executable, "-m", "benchmarks.decode_kernels", "--variants", "after", *bench_args]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s"}
-    match = ROW.search(done.stdout)
-    if done.returncode != 0 or match is None:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_path = Path(tmp) / "rows.json"
+        command = [sys.executable, "-m", "benchmarks.decode_kernels", "--variants", "after", "--json", str(rows_path)]
+        try:
+            done = subprocess.run(command + bench_args, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {timeout:.0f} s"}
+        rows = json.loads(rows_path.read_text()) if done.returncode == 0 and rows_path.exists() else []
+    if not rows:
         lines = (done.stderr or done.stdout).strip().splitlines()
         # XLA reports a flag it cannot take on its first error log line, then prints every flag's usage
         logged = [line.split("] ", 1)[-1] for line in lines if re.match(r"[EF]\d{4} ", line)]
         if logged:
             return {"error": logged[0]}
         return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
-    return {k: float(v) for k, v in match.groupdict().items() if v is not None}
+    return {k: float(rows[0][k]) for k in FIELDS if k in rows[0]}
 
 
 def main(argv=None) -> dict[str, dict]:
@@ -78,12 +80,12 @@ def main(argv=None) -> dict[str, dict]:
         if "error" in r:
             print(f"{name:>12}  failed: {r['error']}")
             continue
-        ar_ratio = r["ar_ms"] / base["ar_ms"] if "ar_ms" in base else float("nan")
+        ar_ratio = r["ar_step_ms"] / base["ar_step_ms"] if "ar_step_ms" in base else float("nan")
         round_ms = r.get("round_ms", float("nan"))
         round_ratio = round_ms / base.get("round_ms", float("nan"))
         print(
-            f"{name:>12}  {r['ar_ms']:7.3f}  {ar_ratio:10.3f}  {round_ms:8.3f}  {round_ratio:10.3f}  "
-            f"{r.get('round_vs_ar', float('nan')):.2f}"
+            f"{name:>12}  {r['ar_step_ms']:7.3f}  {ar_ratio:10.3f}  {round_ms:8.3f}  {round_ratio:10.3f}  "
+            f"{r.get('round_vs_ar_step', float('nan')):.2f}"
         )
     return results
 

@@ -1,11 +1,11 @@
-"""benchmarks/xla_flag_sweep.py: settings parsed, decode_kernels' row read, XLA's refusal of a flag
-reported as its own line (a real process on the CPU: jax parses XLA_FLAGS for every backend)."""
+"""benchmarks/xla_flag_sweep.py: settings parsed, decode_kernels' row read from its JSON, XLA's
+refusal of a flag reported as its own line (a real process on the CPU: jax parses XLA_FLAGS for every backend)."""
 
 import argparse
 
 import pytest
 
-from benchmarks.xla_flag_sweep import ROW, parse_setting, run_setting
+from benchmarks.xla_flag_sweep import FIELDS, parse_setting, run_setting
 
 
 def test_settings_are_name_and_flags():
@@ -16,15 +16,13 @@ def test_settings_are_name_and_flags():
             parse_setting(bad)
 
 
-def test_the_row_of_decode_kernels_table_is_read():
-    table = (
-        "variant  AR kernels  AR ms  AR tok/s  floor ms  x floor  round kernels  round ms  round/AR  LongSpec tok/s\n"
-        "  after         287  0.722      1397     0.128      5.6            452     1.236      1.71             809\n"
-    )
-    row = ROW.search(table).groupdict()
-    assert (row["ar_kernels"], row["ar_ms"], row["round_kernels"], row["round_ms"]) == ("287", "0.722", "452", "1.236")
-    ar_only = "  after         287  0.722      1397     0.128      5.6\n"
-    assert ROW.search(ar_only).group("round_ms") is None
+def test_a_setting_xla_takes_gives_decode_kernels_row(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    result = run_setting("--xla_gpu_enable_pdl=true", ["--small", "--new-tokens", "4", "--repeats", "1"], timeout=300)
+    assert "error" not in result, result
+    assert set(result) == set(FIELDS)
+    assert result["ar_kernels"] > 0 and result["round_kernels"] > 0
+    assert result["round_vs_ar_step"] == pytest.approx(result["round_ms"] / result["ar_step_ms"])
 
 
 @pytest.mark.parametrize(
