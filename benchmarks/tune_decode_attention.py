@@ -84,11 +84,19 @@ def layer_seconds(config, inputs, layers: int, knobs: dict) -> float:
 
 
 def tune(
-    config, batch: int, t: int, context: int, layers: int, log=print, search: bool = True, verbose: bool = False
+    config,
+    batch: int,
+    t: int,
+    context: int,
+    layers: int,
+    log=print,
+    search: bool = True,
+    verbose: bool = False,
+    capacity: int | None = None,
 ) -> tuple[dict, float, float]:
     """(best knobs, its us per layer, the default's us per layer) at one shape; search=False times
     the default alone, verbose logs every trial (not only the improvements)."""
-    capacity = context + 512
+    capacity = capacity or context + 512
     inputs = make_inputs(config, batch, t, context, capacity, layers)
     seen: dict[tuple, float] = {}
 
@@ -123,13 +131,18 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tree-sizes", default="1,25,69", help="T: 1 is the AR step, more a verified tree")
     parser.add_argument("--context", type=int, default=4500, help="cache rows already held")
+    parser.add_argument(
+        "--capacity", type=int, default=None, help="cache rows (context + 512; the decode loop's is a power of two)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="layer calls per iteration (the model's)")
     parser.add_argument("--defaults-only", action="store_true", help="time the launch the model uses, no search")
     parser.add_argument("--verbose", action="store_true", help="print every trial, not only the improvements")
     args = parser.parse_args(argv)
     config = MODEL_SHAPES[args.shape]
     layers = args.layers or config.num_layers
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {args.shape}, context {args.context}")
+    capacity = args.capacity or args.context + 512
+    device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+    print(f"{device}; {args.shape}, context {args.context} of {capacity} rows")
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for t in (int(x) for x in args.tree_sizes.split(",")):

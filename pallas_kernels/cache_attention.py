@@ -6,9 +6,11 @@ grid over query blocks alone would leave most of the GPU idle. Instead each prog
 and writes a partial (o, lse); one more kernel (split_combine) merges the slices. Each program holds
 all GQA heads of its KV head (flash_block), so a K/V tile is loaded once for the whole group.
 
-Slices are cut from the true length cache_len[b] (not the cache capacity), so a short sequence in a
-big cache still spreads over every split; splits past the end run zero iterations and write
-o = 0, lse = -inf, which the combine ignores.
+Slices are cut from the true length cache_len[b], not the cache capacity (split_plan): each holds at
+least MIN_TILES_PER_SPLIT key tiles, so a sequence that fills a fraction of a roomy cache (a 4.5k
+prompt in the 8k rows of its power-of-two cache) uses only the splits it fills. Splits past those
+fold nothing and write nothing; the combine reads only the partials written, their count per
+sequence being computed from the same lengths.
 """
 
 from __future__ import annotations
@@ -27,18 +29,30 @@ from pallas_kernels.split_combine import combine_splits
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
+# Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
+# writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
+# shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
+# a layer, 24 splits of 3 tiles 20.0 us, 15 of 5 tiles 14.0 us (`benchmarks.tune_decode_attention`).
+MIN_TILES_PER_SPLIT = 4
+
+
+def split_plan(length, num_splits: int, block_keys: int):
+    """(key tiles per split, splits holding keys) for a sequence of `length` cached keys cut into at
+    most num_splits slices of whole tiles, each of at least MIN_TILES_PER_SPLIT tiles (the last
+    may hold fewer). Plain integer ops: usable inside the kernels and in XLA on an int32[B]."""
+    # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
+    num_tiles = lax.div(length + block_keys - 1, block_keys)
+    per_split = jnp.maximum(lax.div(num_tiles + num_splits - 1, num_splits), MIN_TILES_PER_SPLIT)
+    return per_split, lax.div(num_tiles + per_split - 1, per_split)
 
 
 def fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits: int, block_keys: int, scale: float):
-    """Folds slice `split` of num_splits of the keys [0, length) of k_ref, v_ref [S, D] into state.
-
-    Slices are whole key tiles, cut from the true length; a split past the last tile (split >=
-    num_splits included) folds nothing."""
-    # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
+    """Folds slice `split` of the keys [0, length) of k_ref, v_ref [S, D] (split_plan's slices) into
+    state. A split past the last slice (split >= num_splits included) folds nothing."""
     num_tiles = lax.div(length + block_keys - 1, block_keys)
-    tiles_per_split = lax.div(num_tiles + num_splits - 1, num_splits)
-    first = split * tiles_per_split
-    last = jnp.minimum(first + tiles_per_split, num_tiles)
+    per_split, _ = split_plan(length, num_splits, block_keys)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_tiles)
 
     def fold_key_tile(i, state):
         key0 = i * block_keys
@@ -57,14 +71,16 @@ def _split_kernel(
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
     q = fb.load_query_rows(q_ref, query, head, row_ok)
     state = fb.empty_state(block_rows, q.shape[-1])
-    state = fold_cache_split(state, q, k_ref, v_ref, len_ref[()], pl.program_id(3), num_splits, block_keys, scale)
-    fb.store_partial(o_ref, lse_ref, row0, row_ok, state)
+    split, length = pl.program_id(3), len_ref[()]
+    state = fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits, block_keys, scale)
+    _, used = split_plan(length, num_splits, block_keys)
+    fb.store_partial(o_ref, lse_ref, split, row0, row_ok & (split < used), state)
 
 
 def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) -> int:
-    """Splits so the grid has about TARGET_PROGRAMS programs, each with at least 4 key tiles."""
+    """Splits so the grid has about TARGET_PROGRAMS programs, no more than a full cache fills."""
     want = pl.cdiv(TARGET_PROGRAMS, programs_per_split)
-    return max(1, min(want, capacity // (4 * block_keys)))
+    return max(1, min(want, capacity // (MIN_TILES_PER_SPLIT * block_keys)))
 
 
 def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits):
@@ -84,7 +100,8 @@ def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits):
 def split_specs(q, k_cache, num_parts: int, rows: int):
     """BlockSpecs and shapes shared by the split-K kernels: inputs (cache_len, q, k_cache, v_cache)
     and outputs (partials o [B,Hkv,P,rows,D] float32, lse [B,Hkv,P,rows]), grid (B, Hkv, row
-    blocks, P)."""
+    blocks, P). Each program sees all P partials of its (batch, KV head): which slot it writes
+    depends on the sequence's length (split_plan)."""
     b, t, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     in_specs = [
@@ -94,8 +111,8 @@ def split_specs(q, k_cache, num_parts: int, rows: int):
         pl.BlockSpec((None, s, None, d), lambda i, h, r, j: (i, 0, h, 0)),
     ]
     out_specs = [
-        pl.BlockSpec((None, None, None, rows, d), lambda i, h, r, j: (i, h, j, 0, 0)),
-        pl.BlockSpec((None, None, None, rows), lambda i, h, r, j: (i, h, j, 0)),
+        pl.BlockSpec((None, None, num_parts, rows, d), lambda i, h, r, j: (i, h, 0, 0, 0)),
+        pl.BlockSpec((None, None, num_parts, rows), lambda i, h, r, j: (i, h, 0, 0)),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((b, hkv, num_parts, rows, d), jnp.float32),
@@ -128,6 +145,7 @@ def _cache_attention(
         num_splits=num_splits,
     )
     in_specs, out_specs, out_shape = split_specs(q, k_cache, num_splits, rows)
+    lengths = valid_lengths(cache_len, k_cache)
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits),
@@ -137,8 +155,11 @@ def _cache_attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="cache_split_k_attn",
-    )(valid_lengths(cache_len, k_cache), q, k_cache, v_cache)
-    return combine_splits(o_parts, lse_parts, num_queries=t, out_dtype=q.dtype, with_lse=True, interpret=interpret)
+    )(lengths, q, k_cache, v_cache)
+    _, used = split_plan(lengths, num_splits, block_keys)
+    return combine_splits(
+        o_parts, lse_parts, used, num_queries=t, out_dtype=q.dtype, with_lse=True, interpret=interpret
+    )
 
 
 def cache_attention(

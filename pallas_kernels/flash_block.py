@@ -155,10 +155,10 @@ def finish_state(state):
     return o, lse
 
 
-def store_partial(o_ref, lse_ref, row0, row_ok, state) -> None:
-    """Finishes state and writes it as this program's partial: o float32 [R, D] at rows
-    [row0, row0 + R) of o_ref [rows, D], lse at the same rows of lse_ref [rows]."""
+def store_partial(o_ref, lse_ref, slot, row0, row_ok, state) -> None:
+    """Finishes state and writes it as partial `slot`: o float32 [R, D] at rows [row0, row0 + R) of
+    o_ref [P, rows, D], lse at the same rows of lse_ref [P, rows]; rows not ok are not written."""
     o, lse = finish_state(state)
     size = row_ok.shape[0]
-    plgpu.store(o_ref.at[pl.ds(row0, size), :], o, mask=row_ok[:, None])
-    plgpu.store(lse_ref.at[pl.ds(row0, size)], lse, mask=row_ok)
+    plgpu.store(o_ref.at[slot, pl.ds(row0, size), :], o, mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[slot, pl.ds(row0, size)], lse, mask=row_ok)

@@ -6,8 +6,9 @@ merges; the new keys become one more partial. Grid (B, Hkv, row blocks, num_spli
 with split index j < num_splits fold their slice of the cache as cache_attention does; the program
 with j == num_splits folds the new keys under the mask, one key tile and its mask tile at a time
 (as tree_attention). Rather than branch, every program runs both loops with bounds that leave one
-of them empty, into the same online-softmax state. split_combine then merges the num_splits + 1
-partials and writes o in q's layout. Against cache attention, masked attention and an LSE merge
+of them empty, into the same online-softmax state. The cache's slices that hold keys write their
+partials first (cache_attention.split_plan), the new keys' partial right after them; split_combine
+then merges those and writes o in q's layout. Against cache attention, masked attention and an LSE merge
 done apart, this spares the masked kernel, the merge and the transposes around them.
 
 `hybrid_attention_and_write` is AR decoding's step in the same kernel: it takes the model's packed,
@@ -124,7 +125,12 @@ def _hybrid_kernel(
     # Typed scalars: the Triton lowering gives a select's untyped literals the predicate's type (i1).
     new_tiles = jnp.where(j == num_splits, jnp.int32(pl.cdiv(num_new, new_block_keys)), jnp.int32(0))
     state = lax.fori_loop(0, new_tiles, fold_new_tile, state)
-    fb.store_partial(o_ref, lse_ref, row0, row_ok, state)
+    # The new keys' partial goes right after the cache's slices that hold keys (split_plan), where
+    # the combine's count of partials ends; splits past those write nothing.
+    _, used = split.split_plan(length, num_splits, block_keys)
+    new_keys = j == num_splits
+    slot = jnp.where(new_keys, used, j)
+    fb.store_partial(o_ref, lse_ref, slot, row0, row_ok & (new_keys | (j < used)), state)
 
 
 @functools.partial(
@@ -183,6 +189,7 @@ def _hybrid_attention(
         packed_heads=packed_heads,
     )
     mask_int8 = mask.astype(jnp.int8)  # Triton has no byte-addressable bool pointers
+    lengths = split.valid_lengths(cache_len, k_cache)
     in_specs, out_specs, out_shape = split.split_specs(queries, k_cache, num_splits + 1, rows)
     aliases = {}
     if packed_heads:
@@ -205,8 +212,11 @@ def _hybrid_attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
-    )(split.valid_lengths(cache_len, k_cache), q, k_cache, v_cache, new_a, new_b, mask_int8)
-    o, _ = combine_splits(o_parts, lse_parts, num_queries=t, out_dtype=q.dtype, with_lse=False, interpret=interpret)
+    )(lengths, q, k_cache, v_cache, new_a, new_b, mask_int8)
+    _, used = split.split_plan(lengths, num_splits, block_keys)
+    o, _ = combine_splits(
+        o_parts, lse_parts, used + 1, num_queries=t, out_dtype=q.dtype, with_lse=False, interpret=interpret
+    )
     return (o, *caches) if packed_heads else o
 
 

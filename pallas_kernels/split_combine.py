@@ -5,9 +5,11 @@ slice and lse_p the natural-log log-sum-exp of its scaled scores (-inf when the 
 visible key). With m = max_p lse_p, the whole is o = sum_p o_p e^(lse_p - m) / sum_p e^(lse_p - m)
 and lse = m + log(sum_p e^(lse_p - m)). A row no slice saw gives o = 0, lse = -inf, never NaN.
 
-One program per (batch, KV head, block of 16 query rows) takes the P partials a chunk of C at a
-time (one [C, rows, D] load each, C a power of two, the last chunk shifted back to stay in bounds
-with the parts it repeats masked off) and merges them as it goes, online-softmax style: a running
+Only the first parts_used[b] of the P slots hold partials (the attention kernels cut a short
+sequence into fewer slices than a roomy cache allows); the slots past them are never read. One
+program per (batch, KV head, block of 16 query rows) takes those partials a chunk of C at a time
+(one [C, rows, D] load each, C a power of two, the last chunk shifted back to stay in bounds with
+the parts it repeats or should not read masked off) and merges them as it goes, online-softmax style: a running
 max of the lse rescales what came before. A loop over single partials would wait on one small load
 after another (P is 40-70 at batch 1: ~9 us on the H200 for 3 KV heads, more than the attention
 itself). The output goes to q's layout [B, T, Hq, D] directly (flash_block.query_rows), so no XLA
@@ -41,15 +43,19 @@ def parts_per_chunk(num_parts: int, block_rows: int, head_dim: int) -> int:
     return c
 
 
-def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, num_parts, group, chunk):
-    """Partials o_parts [P, rows, D], lse_parts [P, rows] of one (batch, KV head) -> o [T, Hq, D]
-    (and lse [Hq, T] when asked) at this program's rows."""
+def _combine_kernel(
+    used_ref, o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, num_parts, group, chunk
+):
+    """The first used_ref[()] partials of o_parts [P, rows, D], lse_parts [P, rows] of one (batch,
+    KV head) -> o [T, Hq, D] (and lse [Hq, T] when asked) at this program's rows."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
+    used = jnp.minimum(used_ref[()], num_parts)
 
     def merge(c, carry):
         acc, total, top = carry
         start = jnp.minimum(c * chunk, num_parts - chunk)  # in bounds; parts before c * chunk are done
-        ok = ((start + jnp.arange(chunk)) >= c * chunk)[:, None] & row_ok[None, :]
+        part = start + jnp.arange(chunk)
+        ok = ((part >= c * chunk) & (part < used))[:, None] & row_ok[None, :]
         lse = plgpu.load(lse_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows)], mask=ok, other=-jnp.inf)
         o = plgpu.load(o_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows), :], mask=ok[:, :, None], other=0.0)
         new_top = jnp.maximum(top, jnp.max(lse, axis=0))
@@ -65,7 +71,7 @@ def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num
         jnp.zeros((block_rows,), jnp.float32),
         jnp.full((block_rows,), -jnp.inf, jnp.float32),
     )
-    acc, total, top = lax.fori_loop(0, pl.cdiv(num_parts, chunk), merge, empty)
+    acc, total, top = lax.fori_loop(0, lax.div(used + chunk - 1, chunk), merge, empty)
     seen = total > 0.0
     safe_total = jnp.where(seen, total, 1.0)
     fb.store_query_rows(o_ref, query, head, row_ok, acc / safe_total[:, None])
@@ -75,8 +81,9 @@ def _combine_kernel(o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num
 
 
 @functools.partial(jax.jit, static_argnames=("num_queries", "out_dtype", "with_lse", "interpret"))
-def combine_splits(o_parts, lse_parts, *, num_queries: int, out_dtype, with_lse: bool, interpret: bool):
-    """Merges partials o [B, Hkv, P, T * G, D] float32 and lse [B, Hkv, P, T * G] over P.
+def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtype, with_lse: bool, interpret: bool):
+    """Merges partials o [B, Hkv, P, T * G, D] float32 and lse [B, Hkv, P, T * G] over their first
+    parts_used[b] (int32 [B], at most P) slots; what the other slots hold is never read.
 
     Rows are in flash_block's order (row t * G + g of KV head h is query t of head h * G + g).
     Returns o [B, T, Hq, D] in out_dtype and, with with_lse, lse float32 [B, Hq, T] (else None).
@@ -98,6 +105,7 @@ def combine_splits(o_parts, lse_parts, *, num_queries: int, out_dtype, with_lse:
         kernel,
         grid=(b, hkv, pl.cdiv(rows, block_rows)),
         in_specs=[
+            pl.BlockSpec((None,), lambda i, h, r: (i,)),
             pl.BlockSpec((None, None, num_parts, rows, d), lambda i, h, r: (i, h, 0, 0, 0)),
             pl.BlockSpec((None, None, num_parts, rows), lambda i, h, r: (i, h, 0, 0)),
         ],
@@ -106,5 +114,5 @@ def combine_splits(o_parts, lse_parts, *, num_queries: int, out_dtype, with_lse:
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="split_k_combine",
-    )(o_parts, lse_parts)
+    )(parts_used.astype(jnp.int32), o_parts, lse_parts)
     return (out[0], out[1]) if with_lse else (out[0], None)

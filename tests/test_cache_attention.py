@@ -13,6 +13,7 @@ import pytest
 
 from longspec_jax import attention
 from longspec_jax.errors import UserError
+from pallas_kernels.cache_attention import MIN_TILES_PER_SPLIT, split_plan
 from pallas_kernels.cache_attention import cache_attention as pallas_cache_attention
 from pallas_kernels.reference import attention_reference, cache_visibility
 
@@ -45,6 +46,9 @@ CASES = [
     (2, 16, 8, 1, 200, 64, [1, 131], 4),
     (1, 74, 4, 1, 100, 64, [77], 2),
     (1, 128, 2, 2, 90, 128, [90], None),
+    # a roomy cache: 2 and 4 of 8 splits hold keys, then all 8
+    (2, 3, 8, 2, 1024, 64, [300, 1024], 8),
+    (1, 2, 4, 2, 2048, 64, [2048], 8),
 ]
 
 
@@ -56,6 +60,17 @@ def test_pallas_cache_attention_matches_float64_reference(b, t, hq, hkv, s, d, l
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), num_splits=num_splits
     )
     assert_cache_result(o, lse, q, k, v, lengths)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_plan_cuts_every_length_into_at_most_num_splits_slices_of_enough_tiles(num_splits):
+    lengths = jnp.arange(0, 3000, dtype=jnp.int32)
+    per_split, used = (np.asarray(x) for x in split_plan(lengths, num_splits, 64))
+    tiles = -(-np.asarray(lengths) // 64)
+    assert (used <= num_splits).all() and (per_split >= MIN_TILES_PER_SPLIT).all()
+    assert (used * per_split >= tiles).all(), "a tile no split folds"
+    assert ((used - 1) * per_split < tiles)[tiles > 0].all(), "a split counted as used holds no tile"
+    assert (used[tiles == 0] == 0).all()
 
 
 def test_pallas_cache_attention_small_tiles_many_splits():

@@ -39,6 +39,8 @@ CASES = [
     (2, 1, 4, 4, 100, [70, 1], dict(num_splits=None)),
     (1, 1, 9, 3, 64, [64], dict(num_splits=1)),
     (2, 22, 9, 3, 80, [80, 5], dict(num_splits=4, block_rows=16, block_keys=16)),
+    # a roomy cache: 3 of 6 splits hold keys, the new keys' partial goes in slot 3
+    (1, 5, 9, 3, 700, [600], dict(num_splits=6)),
 ]
 
 
@@ -183,12 +185,12 @@ def test_hybrid_kernel_rejects_bad_shapes():
         )
 
 
-@pytest.mark.parametrize("t, num_parts", [(3, 5), (7, 37), (3, 2)])
-def test_combine_equals_attention_over_the_union_of_slices(t, num_parts):
+@pytest.mark.parametrize("t, num_parts, unused", [(3, 5, 0), (7, 37, 0), (3, 2, 0), (7, 37, 6), (3, 6, 3)])
+def test_combine_equals_attention_over_the_union_of_slices(t, num_parts, unused):
     """P partials over disjoint random key subsets (flash_block's row order): a chunk of parts or
     several (37: the last chunk shifted back over parts already merged), one row block or two;
     rows that only some slices see, a row that no slice sees (o = 0, lse = -inf), and a slice
-    nobody sees."""
+    nobody sees. `unused` slots past the partials (NaN, as an unwritten output) are not read."""
     rng = np.random.default_rng(12 + num_parts)
     b, hq, hkv, n, d = 2, 9, 3, 80, 64
     q = rng.standard_normal((b, t, hq, d))
@@ -204,9 +206,11 @@ def test_combine_equals_attention_over_the_union_of_slices(t, num_parts):
         # [B, T, Hq, D] -> rows [B, Hkv, T * G, D]; [B, Hq, T] -> [B, Hkv, T * G]
         o_parts[:, :, p] = o_p.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
         lse_parts[:, :, p] = lse_p.reshape(b, hkv, group, t).transpose(0, 1, 3, 2).reshape(b, hkv, t * group)
+    nan = np.full((b, hkv, unused, t * group), np.nan)
     o, lse = combine_splits(
-        jnp.asarray(o_parts, jnp.float32),
-        jnp.asarray(lse_parts, jnp.float32),
+        jnp.asarray(np.concatenate([o_parts, np.repeat(nan[..., None], d, -1)], 2), jnp.float32),
+        jnp.asarray(np.concatenate([lse_parts, nan], 2), jnp.float32),
+        jnp.full((b,), num_parts, jnp.int32),
         num_queries=t,
         out_dtype=jnp.float32,
         with_lse=True,
