@@ -69,12 +69,13 @@ def _split_kernel(
 ):
     """One row block of one (batch, KV head) against one slice of that sequence's cache."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    q = fb.load_query_rows(q_ref, query, head, row_ok)
-    state = fb.empty_state(block_rows, q.shape[-1])
     split, length = pl.program_id(3), len_ref[()]
-    state = fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits, block_keys, scale)
     _, used = split_plan(length, num_splits, block_keys)
-    fb.store_partial(o_ref, lse_ref, split, row0, row_ok & (split < used), state)
+    rows_active = row_ok & (split < used)  # a split past the keys loads and writes nothing
+    q = fb.load_query_rows(q_ref, query, head, rows_active)
+    state = fb.empty_state(block_rows, q.shape[-1])
+    state = fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits, block_keys, scale)
+    fb.store_partial(o_ref, lse_ref, split, row0, rows_active, state)
 
 
 def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) -> int:

@@ -82,15 +82,21 @@ def _hybrid_kernel(
     o, lse, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's new-keys program stores the
     rotated new keys and their values at rows [cache_len, cache_len + N)."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
+    j = pl.program_id(3)
+    length = len_ref[()]
+    # The cache's slices that hold keys write their partials first (split_plan), the new keys' right
+    # after them, where the combine's count ends. A split past those has nothing to do: it loads no
+    # query row and writes nothing.
+    _, used = split.split_plan(length, num_splits, block_keys)
+    new_keys = j == num_splits
+    rows_active = row_ok & (new_keys | (j < used))
     if packed_heads:
         cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
-        q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, row_ok)
+        q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
         num_heads, num_kv_heads = packed_heads
     else:
         k_new_ref, v_new_ref, mask_ref, o_ref, lse_ref = refs
-        q = fb.load_query_rows(q_ref, query, head, row_ok)
-    j = pl.program_id(3)
-    length = len_ref[()]
+        q = fb.load_query_rows(q_ref, query, head, rows_active)
     # Program ids are read outside the loop: the interpreter has none inside one.
     kv_head = pl.program_id(1)
     writes = pl.program_id(2) == 0
@@ -125,12 +131,7 @@ def _hybrid_kernel(
     # Typed scalars: the Triton lowering gives a select's untyped literals the predicate's type (i1).
     new_tiles = jnp.where(j == num_splits, jnp.int32(pl.cdiv(num_new, new_block_keys)), jnp.int32(0))
     state = lax.fori_loop(0, new_tiles, fold_new_tile, state)
-    # The new keys' partial goes right after the cache's slices that hold keys (split_plan), where
-    # the combine's count of partials ends; splits past those write nothing.
-    _, used = split.split_plan(length, num_splits, block_keys)
-    new_keys = j == num_splits
-    slot = jnp.where(new_keys, used, j)
-    fb.store_partial(o_ref, lse_ref, slot, row0, row_ok & (new_keys | (j < used)), state)
+    fb.store_partial(o_ref, lse_ref, jnp.where(new_keys, used, j), row0, rows_active, state)
 
 
 @functools.partial(
