@@ -28,7 +28,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import flash_block as fb
 
-# Query rows per program: few, so even one KV head at batch 1 spreads over several programs.
+# Query rows per program: few, so even one KV head at batch 1 spreads over several programs. Fewer
+# rows than this (an AR step's G rows) get the smallest power of two that holds them: no dot here
+# needs Triton's 16, and the rows not loaded leave room for more partials per chunk.
 BLOCK_ROWS = 16
 # Partials x rows x head dim loaded at once: 8192 float32, 64 registers a thread with 4 warps.
 CHUNK_ELEMENTS = 8192
@@ -91,7 +93,7 @@ def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtyp
     b, hkv, num_parts, rows, d = o_parts.shape
     group = rows // num_queries
     hq = hkv * group
-    block_rows = fb.block_size(rows, BLOCK_ROWS)
+    block_rows = 1 << (min(rows, BLOCK_ROWS) - 1).bit_length()
     chunk = parts_per_chunk(num_parts, block_rows, d)
     kernel = functools.partial(
         _combine_kernel, block_rows=block_rows, num_rows=rows, num_parts=num_parts, group=group, chunk=chunk
