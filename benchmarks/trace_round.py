@@ -131,18 +131,12 @@ def record(
     if not op_by_op:  # read by XLA when jax starts its backend, which importing jax below does not yet
         os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from longspec_jax.draft_io import init_draft
+    from benchmarks.decode_kernels import setup
     from longspec_jax.generation import Generator
-    from longspec_jax.model_shapes import MODEL_SHAPES
-    from longspec_jax.target import random_target
 
-    target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+    target, draft, prompt = setup(small=False, prompt_tokens=prompt_tokens, random_weights=True)
     target.model.fused_projections = fused_projections
-    draft = init_draft(target, seed=1).cast(jnp.bfloat16)
-    prompt = np.random.default_rng(0).integers(100, 1000, size=prompt_tokens).tolist()
     traces = {}
     for mode in ("longspec", "ar"):
         widths = tree_widths if mode == "longspec" else None
