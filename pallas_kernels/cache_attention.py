@@ -37,20 +37,19 @@ MIN_TILES_PER_SPLIT = 4
 
 
 def split_plan(length, num_splits: int, block_keys: int):
-    """(key tiles per split, splits holding keys) for a sequence of `length` cached keys cut into at
-    most num_splits slices of whole tiles, each of at least MIN_TILES_PER_SPLIT tiles (the last
-    may hold fewer). Plain integer ops: usable inside the kernels and in XLA on an int32[B]."""
+    """(key tiles, tiles per split, splits holding keys) for a sequence of `length` cached keys cut
+    into at most num_splits slices of whole tiles, each of at least MIN_TILES_PER_SPLIT tiles (the
+    last may hold fewer). Plain integer ops: usable inside the kernels and in XLA on an int32[B]."""
     # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
     num_tiles = lax.div(length + block_keys - 1, block_keys)
     per_split = jnp.maximum(lax.div(num_tiles + num_splits - 1, num_splits), MIN_TILES_PER_SPLIT)
-    return per_split, lax.div(num_tiles + per_split - 1, per_split)
+    return num_tiles, per_split, lax.div(num_tiles + per_split - 1, per_split)
 
 
-def fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits: int, block_keys: int, scale: float):
-    """Folds slice `split` of the keys [0, length) of k_ref, v_ref [S, D] (split_plan's slices) into
-    state. A split past the last slice (split >= num_splits included) folds nothing."""
-    num_tiles = lax.div(length + block_keys - 1, block_keys)
-    per_split, _ = split_plan(length, num_splits, block_keys)
+def fold_cache_split(state, q, k_ref, v_ref, length, split, plan, block_keys: int, scale: float):
+    """Folds slice `split` of the keys [0, length) of k_ref, v_ref [S, D] into state, the slices
+    being split_plan's (`plan`, its result). A split past the last slice folds nothing."""
+    num_tiles, per_split, _ = plan
     first = split * per_split
     last = jnp.minimum(first + per_split, num_tiles)
 
@@ -70,11 +69,11 @@ def _split_kernel(
     """One row block of one (batch, KV head) against one slice of that sequence's cache."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
     split, length = pl.program_id(3), len_ref[()]
-    _, used = split_plan(length, num_splits, block_keys)
-    rows_active = row_ok & (split < used)  # a split past the keys loads and writes nothing
+    plan = split_plan(length, num_splits, block_keys)
+    rows_active = row_ok & (split < plan[2])  # a split past the keys loads and writes nothing
     q = fb.load_query_rows(q_ref, query, head, rows_active)
     state = fb.empty_state(block_rows, q.shape[-1])
-    state = fold_cache_split(state, q, k_ref, v_ref, length, split, num_splits, block_keys, scale)
+    state = fold_cache_split(state, q, k_ref, v_ref, length, split, plan, block_keys, scale)
     fb.store_partial(o_ref, lse_ref, split, row0, rows_active, state)
 
 
@@ -157,7 +156,7 @@ def _cache_attention(
         interpret=interpret,
         name="cache_split_k_attn",
     )(lengths, q, k_cache, v_cache)
-    _, used = split_plan(lengths, num_splits, block_keys)
+    _, _, used = split_plan(lengths, num_splits, block_keys)
     return combine_splits(
         o_parts, lse_parts, used, num_queries=t, out_dtype=q.dtype, with_lse=True, interpret=interpret
     )

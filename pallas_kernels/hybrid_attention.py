@@ -8,8 +8,8 @@ with j == num_splits folds the new keys under the mask, one key tile and its mas
 (as tree_attention). Rather than branch, every program runs both loops with bounds that leave one
 of them empty, into the same online-softmax state. The cache's slices that hold keys write their
 partials first (cache_attention.split_plan), the new keys' partial right after them; split_combine
-then merges those and writes o in q's layout. Against cache attention, masked attention and an LSE merge
-done apart, this spares the masked kernel, the merge and the transposes around them.
+then merges those and writes o in q's layout. Against cache attention, masked attention and an LSE
+merge done apart, this spares the masked kernel, the merge and the transposes around them.
 
 `hybrid_attention_and_write` is AR decoding's step in the same kernel: it takes the model's packed,
 un-rotated q|k|v product and RoPE's cos/sin rows, rotates q and the new keys as it loads them, and
@@ -87,7 +87,8 @@ def _hybrid_kernel(
     # The cache's slices that hold keys write their partials first (split_plan), the new keys' right
     # after them, where the combine's count ends. A split past those has nothing to do: it loads no
     # query row and writes nothing.
-    _, used = split.split_plan(length, num_splits, block_keys)
+    plan = split.split_plan(length, num_splits, block_keys)
+    used = plan[2]
     new_keys = j == num_splits
     rows_active = row_ok & (new_keys | (j < used))
     if packed_heads:
@@ -102,7 +103,7 @@ def _hybrid_kernel(
     writes = pl.program_id(2) == 0
     state = fb.empty_state(block_rows, q.shape[-1])
     # j == num_splits lies past every cache slice: the cache loop runs no iteration there.
-    state = split.fold_cache_split(state, q, k_ref, v_ref, length, j, num_splits, block_keys, scale)
+    state = split.fold_cache_split(state, q, k_ref, v_ref, length, j, plan, block_keys, scale)
 
     def fold_new_tile(i, state):
         key0 = i * new_block_keys
@@ -214,7 +215,7 @@ def _hybrid_attention(
         interpret=interpret,
         name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
     )(lengths, q, k_cache, v_cache, new_a, new_b, mask_int8)
-    _, used = split.split_plan(lengths, num_splits, block_keys)
+    _, _, used = split.split_plan(lengths, num_splits, block_keys)
     o, _ = combine_splits(
         o_parts, lse_parts, used + 1, num_queries=t, out_dtype=q.dtype, with_lse=False, interpret=interpret
     )

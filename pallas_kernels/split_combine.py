@@ -7,13 +7,13 @@ and lse = m + log(sum_p e^(lse_p - m)). A row no slice saw gives o = 0, lse = -i
 
 Only the first parts_used[b] of the P slots hold partials (the attention kernels cut a short
 sequence into fewer slices than a roomy cache allows); the slots past them are never read. One
-program per (batch, KV head, block of 16 query rows) takes those partials a chunk of C at a time
-(one [C, rows, D] load each, C a power of two, the last chunk shifted back to stay in bounds with
-the parts it repeats or should not read masked off) and merges them as it goes, online-softmax style: a running
-max of the lse rescales what came before. A loop over single partials would wait on one small load
-after another (P is 40-70 at batch 1: ~9 us on the H200 for 3 KV heads, more than the attention
-itself). The output goes to q's layout [B, T, Hq, D] directly (flash_block.query_rows), so no XLA
-transpose follows.
+program per (batch, KV head, block of up to 16 query rows) takes those partials a chunk of C at a
+time (one [C, rows, D] load each, C a power of two, the last chunk shifted back to stay in bounds
+with the parts it repeats or should not read masked off) and merges them as it goes,
+online-softmax style: a running max of the lse rescales what came before. A loop over single
+partials would wait on one small load after another (P is 40-70 at batch 1: ~9 us on the H200 for
+3 KV heads, more than the attention itself). The output goes to q's layout [B, T, Hq, D] directly
+(flash_block.query_rows), so no XLA transpose follows.
 """
 
 from __future__ import annotations

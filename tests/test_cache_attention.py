@@ -65,8 +65,9 @@ def test_pallas_cache_attention_matches_float64_reference(b, t, hq, hkv, s, d, l
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_split_plan_cuts_every_length_into_at_most_num_splits_slices_of_enough_tiles(num_splits):
     lengths = jnp.arange(0, 3000, dtype=jnp.int32)
-    per_split, used = (np.asarray(x) for x in split_plan(lengths, num_splits, 64))
+    num_tiles, per_split, used = (np.asarray(x) for x in split_plan(lengths, num_splits, 64))
     tiles = -(-np.asarray(lengths) // 64)
+    np.testing.assert_array_equal(num_tiles, tiles)
     assert (used <= num_splits).all() and (per_split >= MIN_TILES_PER_SPLIT).all()
     assert (used * per_split >= tiles).all(), "a tile no split folds"
     assert ((used - 1) * per_split < tiles)[tiles > 0].all(), "a split counted as used holds no tile"
