@@ -147,7 +147,14 @@ def main(argv=None) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         for t in (int(x) for x in args.tree_sizes.split(",")):
             best, best_us, default_us = tune(
-                config, batch, t, args.context, layers, search=not args.defaults_only, verbose=args.verbose
+                config,
+                batch,
+                t,
+                args.context,
+                layers,
+                search=not args.defaults_only,
+                verbose=args.verbose,
+                capacity=capacity,
             )
             rows.append((batch, t, default_us, best_us, best))
     print(

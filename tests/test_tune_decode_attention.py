@@ -48,3 +48,18 @@ def test_defaults_only_times_the_default_alone(monkeypatch):
     best, best_us, default_us = tune_module.tune(TINY, 1, 3, 40, 1, log=lambda line: None, search=False)
     assert tried == [tune_module.DEFAULT] and best == tune_module.DEFAULT
     assert best_us == default_us == pytest.approx(3.0)
+
+
+def test_capacity_flag_sizes_the_timed_caches(monkeypatch, capsys):
+    capacities = []
+
+    def fake_inputs(config, batch, t, context, capacity, layers):
+        capacities.append((context, capacity))
+
+    monkeypatch.setattr(tune_module, "make_inputs", fake_inputs)
+    monkeypatch.setattr(tune_module, "layer_seconds", lambda *args: 3e-6)
+    argv = ["--batches", "1", "--tree-sizes", "2", "--context", "100", "--layers", "1", "--defaults-only"]
+    tune_module.main([*argv, "--capacity", "256"])
+    tune_module.main(argv)
+    assert capacities == [(100, 256), (100, 612)]
+    assert "context 100 of 256 rows" in capsys.readouterr().out
