@@ -2,14 +2,20 @@
 mask) and the N new keys under a mask, as one attention over both key sets.
 
 The split-K cache kernel (cache_attention) already writes partial results that a combine kernel
-merges; the new keys become one more partial. Grid (B, Hkv, row blocks, num_splits + 1): programs
-with split index j < num_splits fold their slice of the cache as cache_attention does; the program
-with j == num_splits folds the new keys under the mask, one key tile and its mask tile at a time
-(as tree_attention). Rather than branch, every program runs both loops with bounds that leave one
-of them empty, into the same online-softmax state. The cache's slices that hold keys write their
-partials first (cache_attention.split_plan), the new keys' partial right after them; split_combine
-then merges those and writes o in q's layout. Against cache attention, masked attention and an LSE
-merge done apart, this spares the masked kernel, the merge and the transposes around them.
+merges; the new keys become one more partial. Grid (B, Hkv, row blocks, num_splits + 1): the program
+with index j == 0 folds the new keys under the mask, one key tile and its mask tile at a time (as
+tree_attention); those with j >= 1 fold slice j - 1 of the cache as cache_attention does. The new
+keys come first because the GPU starts programs in the order of that last grid axis: a sequence that
+fills part of a roomy cache leaves the high slices empty, and when the grid exceeds one wave of the
+SMs (SmolLM2's 64-token verify: 198 programs, one an SM) the empty programs, started one after
+another as SMs free up, had held back a new-keys program placed after them (timed on the H200 with
+the new keys last, a 4.5k-token sequence's verify took 18.5 us a layer in an 8k-row cache against
+13.2 in a 5k-row one; with them first, 15.6 in the 8k rows). Rather than branch, every program runs
+both loops with bounds that leave one of them empty, into the same online-softmax state. The cache's
+slices that hold keys write their partials first (cache_attention.split_plan), the new keys' partial
+right after them; split_combine then merges those and writes o in q's layout. Against cache
+attention, masked attention and an LSE merge done apart, this spares the masked kernel, the merge
+and the transposes around them.
 
 `hybrid_attention_and_write` is AR decoding's step in the same kernel: it takes the model's packed,
 un-rotated q|k|v product and RoPE's cos/sin rows, rotates q and the new keys as it loads them, and
@@ -82,15 +88,16 @@ def _hybrid_kernel(
     o, lse, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's new-keys program stores the
     rotated new keys and their values at rows [cache_len, cache_len + N)."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    j = pl.program_id(3)
+    new_keys = pl.program_id(3) == 0
+    # The new keys' program runs past every cache slice: its cache loop folds nothing.
+    cache_split = jnp.where(new_keys, jnp.int32(num_splits), pl.program_id(3) - 1)
     length = len_ref[()]
     # The cache's slices that hold keys write their partials first (split_plan), the new keys' right
     # after them, where the combine's count ends. A split past those has nothing to do: it loads no
     # query row and writes nothing.
     plan = split.split_plan(length, num_splits, block_keys)
     used = plan[2]
-    new_keys = j == num_splits
-    rows_active = row_ok & (new_keys | (j < used))
+    rows_active = row_ok & (new_keys | (cache_split < used))
     if packed_heads:
         cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
         q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
@@ -102,8 +109,7 @@ def _hybrid_kernel(
     kv_head = pl.program_id(1)
     writes = pl.program_id(2) == 0
     state = fb.empty_state(block_rows, q.shape[-1])
-    # j == num_splits lies past every cache slice: the cache loop runs no iteration there.
-    state = split.fold_cache_split(state, q, k_ref, v_ref, length, j, plan, block_keys, scale)
+    state = split.fold_cache_split(state, q, k_ref, v_ref, length, cache_split, plan, block_keys, scale)
 
     def fold_new_tile(i, state):
         key0 = i * new_block_keys
@@ -130,9 +136,9 @@ def _hybrid_kernel(
         return fb.online_softmax_step(state, q, k, v, allowed != 0, scale)
 
     # Typed scalars: the Triton lowering gives a select's untyped literals the predicate's type (i1).
-    new_tiles = jnp.where(j == num_splits, jnp.int32(pl.cdiv(num_new, new_block_keys)), jnp.int32(0))
+    new_tiles = jnp.where(new_keys, jnp.int32(pl.cdiv(num_new, new_block_keys)), jnp.int32(0))
     state = lax.fori_loop(0, new_tiles, fold_new_tile, state)
-    fb.store_partial(o_ref, lse_ref, jnp.where(new_keys, used, j), row0, rows_active, state)
+    fb.store_partial(o_ref, lse_ref, jnp.where(new_keys, used, cache_split), row0, rows_active, state)
 
 
 @functools.partial(
