@@ -11,6 +11,7 @@ layers. Each knob is varied alone from the best configuration so far, twice roun
     python -m benchmarks.tune_decode_attention --shape smollm2_135m --batches 1,8 --tree-sizes 1,25,69
     python -m benchmarks.tune_decode_attention --shape vicuna7b --tree-sizes 64,69 --context 32768 \
         --layers 8 --defaults-only
+    python -m benchmarks.tune_decode_attention --batches 1 --tree-sizes 64,1 --capacity 8192 --splits 16,21,32
 """
 
 from __future__ import annotations
@@ -125,6 +126,19 @@ def tune(
     return best, best_us, default_us
 
 
+def sweep_splits(config, args, layers: int, capacity: int, log=print) -> None:
+    """Times the default launch with each of args.splits cache splits (and the kernel's own
+    choice), at every batch and tree size, one process, the same inputs for each count."""
+    counts = [None, *(int(s) for s in args.splits.split(","))]
+    log("\n| B | T | splits | us/layer |\n| ---: | ---: | --- | ---: |")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for t in (int(x) for x in args.tree_sizes.split(",")):
+            inputs = make_inputs(config, batch, t, args.context, capacity, layers)
+            for count in counts:
+                us = layer_seconds(config, inputs, layers, {**DEFAULT, "num_splits": count}) * 1e6
+                log(f"| {batch} | {t} | {'default' if count is None else count} | {us:.2f} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
@@ -137,12 +151,19 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="layer calls per iteration (the model's)")
     parser.add_argument("--defaults-only", action="store_true", help="time the launch the model uses, no search")
     parser.add_argument("--verbose", action="store_true", help="print every trial, not only the improvements")
+    parser.add_argument(
+        "--splits",
+        help="instead of the search, time the default launch with each of these cache split counts, e.g. 16,21,32",
+    )
     args = parser.parse_args(argv)
     config = MODEL_SHAPES[args.shape]
     layers = args.layers or config.num_layers
     capacity = args.capacity or args.context + 512
     device = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
     print(f"{device}; {args.shape}, context {args.context} of {capacity} rows")
+    if args.splits:
+        sweep_splits(config, args, layers, capacity)
+        return
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         for t in (int(x) for x in args.tree_sizes.split(",")):

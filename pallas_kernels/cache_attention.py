@@ -29,6 +29,8 @@ from pallas_kernels.split_combine import combine_splits
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
+# Programs of one wave: the H200's SMs, at one attention program each.
+ONE_WAVE = 132
 # Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
 # writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
 # shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
@@ -77,15 +79,27 @@ def _split_kernel(
     fb.store_partial(o_ref, lse_ref, split, row0, rows_active, state)
 
 
-def default_num_splits(programs_per_split: int, capacity: int, block_keys: int) -> int:
-    """Splits so the grid has about TARGET_PROGRAMS programs, no more than a full cache fills."""
+def default_num_splits(programs_per_split: int, capacity: int, block_keys: int, extra_parts: int = 0) -> int:
+    """Splits so the grid has about TARGET_PROGRAMS programs, no more than a full cache fills.
+
+    Where the capacity is what bounds them (a small model's cache, whose fill the static grid cannot
+    know), the slots a sequence leaves empty still cost their launch: at SmolLM2's 64-token verify a
+    4.5k-token sequence in an 8,192-row cache took 15.5 us a layer with 32 splits (198 programs, two
+    waves, 18 splits holding keys) and 13.4-13.8 with 16-24. So there the grid keeps to one wave
+    (ONE_WAVE programs, extra_parts being the partials it writes besides the splits') unless that
+    leaves fewer splits than a half-full cache fills; the AR step's 3 rows a KV head (99 programs at
+    32 splits) keep theirs, which ran 8.1 against 8.6-9.1 us with 16-24."""
     want = pl.cdiv(TARGET_PROGRAMS, programs_per_split)
-    return max(1, min(want, capacity // (MIN_TILES_PER_SPLIT * block_keys)))
+    full = max(1, capacity // (MIN_TILES_PER_SPLIT * block_keys))
+    if want <= full:
+        return want
+    one_wave = ONE_WAVE // programs_per_split - extra_parts
+    return max(full // 2, min(full, one_wave), 1)
 
 
-def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits):
+def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits, extra_parts: int = 0):
     """(group, rows, block_rows, row blocks, num_splits) of a split-K grid over q [B,T,Hq,D] and a
-    cache [B,S,Hkv,D]; num_splits=None picks it from the grid size."""
+    cache [B,S,Hkv,D]; num_splits=None picks it from the grid size (default_num_splits)."""
     b, t, hq, _ = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -93,7 +107,7 @@ def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits):
     block_rows = fb.block_size(rows, block_rows)
     row_blocks = pl.cdiv(rows, block_rows)
     if num_splits is None:
-        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys)
+        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys, extra_parts)
     return group, rows, block_rows, row_blocks, num_splits
 
 

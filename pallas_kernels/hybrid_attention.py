@@ -182,7 +182,7 @@ def _hybrid_attention(
     else:
         n, queries = new_a.shape[1], q
     group, rows, block_rows, row_blocks, num_splits = split.split_grid(
-        queries, k_cache, block_rows, block_keys, num_splits
+        queries, k_cache, block_rows, block_keys, num_splits, extra_parts=1
     )
     kernel = functools.partial(
         _hybrid_kernel,

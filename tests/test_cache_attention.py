@@ -13,7 +13,13 @@ import pytest
 
 from longspec_jax import attention
 from longspec_jax.errors import UserError
-from pallas_kernels.cache_attention import MIN_TILES_PER_SPLIT, split_plan
+from pallas_kernels.cache_attention import (
+    MIN_TILES_PER_SPLIT,
+    ONE_WAVE,
+    TARGET_PROGRAMS,
+    default_num_splits,
+    split_plan,
+)
 from pallas_kernels.cache_attention import cache_attention as pallas_cache_attention
 from pallas_kernels.reference import attention_reference, cache_visibility
 
@@ -72,6 +78,27 @@ def test_split_plan_cuts_every_length_into_at_most_num_splits_slices_of_enough_t
     assert (used * per_split >= tiles).all(), "a tile no split folds"
     assert ((used - 1) * per_split < tiles)[tiles > 0].all(), "a split counted as used holds no tile"
     assert (used[tiles == 0] == 0).all()
+
+
+@pytest.mark.parametrize("programs_per_split", [1, 3, 6, 24, 32, 200])
+@pytest.mark.parametrize("capacity", [64, 1024, 5012, 8192, 65536])
+@pytest.mark.parametrize("extra_parts", [0, 1])
+def test_default_num_splits_keeps_a_capacity_bound_grid_to_one_wave_if_half_a_cache_fits(
+    programs_per_split, capacity, extra_parts
+):
+    block_keys = 64
+    splits = default_num_splits(programs_per_split, capacity, block_keys, extra_parts)
+    full = max(1, capacity // (MIN_TILES_PER_SPLIT * block_keys))
+    want = -(-TARGET_PROGRAMS // programs_per_split)
+    assert 1 <= splits <= max(want, 1)
+    if want <= full:  # the capacity does not bound it: the target's count
+        assert splits == want
+    else:
+        assert max(1, full // 2) <= splits <= full
+        fits_one_wave = (splits + extra_parts) * programs_per_split <= ONE_WAVE
+        assert fits_one_wave or splits == max(1, full // 2)
+        # No fewer than one wave allows: what fits, up to the capacity's count, is kept.
+        assert splits == full or (splits + 1 + extra_parts) * programs_per_split > ONE_WAVE or splits == 1
 
 
 def test_pallas_cache_attention_small_tiles_many_splits():

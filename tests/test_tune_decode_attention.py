@@ -63,3 +63,24 @@ def test_capacity_flag_sizes_the_timed_caches(monkeypatch, capsys):
     tune_module.main(argv)
     assert capacities == [(100, 256), (100, 612)]
     assert "context 100 of 256 rows" in capsys.readouterr().out
+
+
+def test_splits_flag_times_each_count_and_the_default_on_the_same_inputs(monkeypatch, capsys):
+    made, timed = [], []
+
+    def fake_inputs(config, batch, t, context, capacity, layers):
+        made.append((batch, t, capacity))
+        return object()
+
+    def fake_seconds(config, inputs, layers, knobs):
+        timed.append((inputs, knobs["num_splits"]))
+        return (knobs["num_splits"] or 7) * 1e-6
+
+    monkeypatch.setattr(tune_module, "make_inputs", fake_inputs)
+    monkeypatch.setattr(tune_module, "layer_seconds", fake_seconds)
+    tune_module.main(["--batches", "1", "--tree-sizes", "4,1", "--layers", "1", "--capacity", "256", "--splits", "2,5"])
+    assert made == [(1, 4, 256), (1, 1, 256)]
+    assert [count for _, count in timed] == [None, 2, 5] * 2
+    assert len({id(inputs) for inputs, _ in timed[:3]}) == 1
+    out = capsys.readouterr().out
+    assert "| 1 | 4 | default | 7.00 |" in out and "| 1 | 1 | 5 | 5.00 |" in out
