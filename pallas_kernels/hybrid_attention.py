@@ -7,15 +7,16 @@ with index j == 0 folds the new keys under the mask, one key tile and its mask t
 tree_attention); those with j >= 1 fold slice j - 1 of the cache as cache_attention does. The new
 keys come first because the GPU starts programs in the order of that last grid axis: a sequence that
 fills part of a roomy cache leaves the high slices empty, and when the grid exceeds one wave of the
-SMs (SmolLM2's 64-token verify: 198 programs, one an SM) the empty programs, started one after
-another as SMs free up, had held back a new-keys program placed after them (timed on the H200 with
-the new keys last, a 4.5k-token sequence's verify took 18.5 us a layer in an 8k-row cache against
-13.2 in a 5k-row one; with them first, 15.6 in the 8k rows). Rather than branch, every program runs
-both loops with bounds that leave one of them empty, into the same online-softmax state. The cache's
-slices that hold keys write their partials first (cache_attention.split_plan), the new keys' partial
-right after them; split_combine then merges those and writes o in q's layout. Against cache
-attention, masked attention and an LSE merge done apart, this spares the masked kernel, the merge
-and the transposes around them.
+SMs (SmolLM2's 64-token verify at 32 splits: 198 programs, one an SM) the empty programs, started
+one after another as SMs free up, had held back a new-keys program placed after them (timed on the
+H200 with the new keys last, a 4.5k-token sequence's verify took 18.5 us a layer in an 8k-row cache
+against 13.2 in a 5k-row one; with them first, 15.6 in the 8k rows;
+cache_attention.default_num_splits now also keeps such a grid to one wave). Rather than branch,
+every program runs both loops with bounds that leave one of them empty, into the same online-softmax
+state. The cache's slices that hold keys write their partials first (cache_attention.split_plan),
+the new keys' partial right after them; split_combine then merges those and writes o in q's layout.
+Against cache attention, masked attention and an LSE merge done apart, this spares the masked
+kernel, the merge and the transposes around them.
 
 `hybrid_attention_and_write` is AR decoding's step in the same kernel: it takes the model's packed,
 un-rotated q|k|v product and RoPE's cos/sin rows, rotates q and the new keys as it loads them, and
