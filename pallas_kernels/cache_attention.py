@@ -29,8 +29,6 @@ from pallas_kernels.split_combine import combine_splits
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
-# Programs of one wave: the H200's SMs, at one attention program each.
-ONE_WAVE = 132
 # Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
 # writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
 # shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
@@ -86,14 +84,14 @@ def default_num_splits(programs_per_split: int, capacity: int, block_keys: int, 
     know), the slots a sequence leaves empty still cost their launch: at SmolLM2's 64-token verify a
     4.5k-token sequence in an 8,192-row cache took 15.5 us a layer with 32 splits (198 programs, two
     waves, 18 splits holding keys) and 13.4-13.8 with 16-24. So there the grid keeps to one wave
-    (ONE_WAVE programs, extra_parts being the partials it writes besides the splits') unless that
+    (flash_block.NUM_SMS programs, extra_parts being the partials it writes besides the splits') unless that
     leaves fewer splits than a half-full cache fills; the AR step's 3 rows a KV head (99 programs at
     32 splits) keep theirs, which ran 8.1 against 8.6-9.1 us with 16-24."""
     want = pl.cdiv(TARGET_PROGRAMS, programs_per_split)
     full = max(1, capacity // (MIN_TILES_PER_SPLIT * block_keys))
     if want <= full:
         return want
-    one_wave = ONE_WAVE // programs_per_split - extra_parts
+    one_wave = fb.NUM_SMS // programs_per_split - extra_parts
     return max(full // 2, min(full, one_wave), 1)
 
 

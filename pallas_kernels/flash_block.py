@@ -24,6 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 # Triton's tensor-core dot needs every tile dim >= 16.
 MIN_BLOCK = 16
 SUPPORTED_HEAD_DIMS = (64, 128)
+# The H200's streaming multiprocessors: programs of one wave where each takes an SM.
+NUM_SMS = 132
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 

@@ -37,7 +37,6 @@ from pallas_kernels import flash_block as fb
 MAX_BLOCK_ROWS = 128
 # Columns per program: 64, or 32 where 64 would leave fewer programs than the H200 has SMs
 # (SmolLM2's N = 960 and 3,072 get 30 and 96 programs of 32; a 7B's 12,288 gets 192 of 64).
-NUM_SMS = 132
 WIDE_BLOCK_COLS = 64
 NARROW_BLOCK_COLS = 32
 # Bytes of the x and weight chunks loaded per step of the loop over K: with three pipeline stages
@@ -64,7 +63,7 @@ def default_block_k(dim: int, x_rows: int, block_cols: int, itemsize: int) -> in
 def default_block_cols(num_cols: int, row_blocks: int) -> int:
     """WIDE_BLOCK_COLS if that gives every SM a program, else NARROW_BLOCK_COLS."""
     wide_programs = pl.cdiv(num_cols, WIDE_BLOCK_COLS) * row_blocks
-    return WIDE_BLOCK_COLS if wide_programs >= NUM_SMS else NARROW_BLOCK_COLS
+    return WIDE_BLOCK_COLS if wide_programs >= fb.NUM_SMS else NARROW_BLOCK_COLS
 
 
 def _kernel(*refs, norm, swiglu, has_bias, has_residual, eps, block_rows, block_cols, block_k):

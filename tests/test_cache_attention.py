@@ -15,12 +15,12 @@ from longspec_jax import attention
 from longspec_jax.errors import UserError
 from pallas_kernels.cache_attention import (
     MIN_TILES_PER_SPLIT,
-    ONE_WAVE,
     TARGET_PROGRAMS,
     default_num_splits,
     split_plan,
 )
 from pallas_kernels.cache_attention import cache_attention as pallas_cache_attention
+from pallas_kernels.flash_block import NUM_SMS
 from pallas_kernels.reference import attention_reference, cache_visibility
 
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -95,10 +95,10 @@ def test_default_num_splits_keeps_a_capacity_bound_grid_to_one_wave_if_half_a_ca
         assert splits == want
     else:
         assert max(1, full // 2) <= splits <= full
-        fits_one_wave = (splits + extra_parts) * programs_per_split <= ONE_WAVE
+        fits_one_wave = (splits + extra_parts) * programs_per_split <= NUM_SMS
         assert fits_one_wave or splits == max(1, full // 2)
         # No fewer than one wave allows: what fits, up to the capacity's count, is kept.
-        assert splits == full or (splits + 1 + extra_parts) * programs_per_split > ONE_WAVE or splits == 1
+        assert splits == full or (splits + 1 + extra_parts) * programs_per_split > NUM_SMS or splits == 1
 
 
 def test_pallas_cache_attention_small_tiles_many_splits():
