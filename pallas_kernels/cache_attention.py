@@ -84,9 +84,9 @@ def default_num_splits(programs_per_split: int, capacity: int, block_keys: int, 
     know), the slots a sequence leaves empty still cost their launch: at SmolLM2's 64-token verify a
     4.5k-token sequence in an 8,192-row cache took 15.5 us a layer with 32 splits (198 programs, two
     waves, 18 splits holding keys) and 13.4-13.8 with 16-24. So there the grid keeps to one wave
-    (flash_block.NUM_SMS programs, extra_parts being the partials it writes besides the splits') unless that
-    leaves fewer splits than a half-full cache fills; the AR step's 3 rows a KV head (99 programs at
-    32 splits) keep theirs, which ran 8.1 against 8.6-9.1 us with 16-24."""
+    (flash_block.NUM_SMS programs, extra_parts being the partials it writes besides the splits')
+    unless that leaves fewer splits than a half-full cache fills; the AR step's 3 rows a KV head (99
+    programs at 32 splits) keep theirs, which ran 8.1 against 8.6-9.1 us with 16-24."""
     want = pl.cdiv(TARGET_PROGRAMS, programs_per_split)
     full = max(1, capacity // (MIN_TILES_PER_SPLIT * block_keys))
     if want <= full:
