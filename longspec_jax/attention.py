@@ -14,9 +14,10 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
   fused kernel, whose outputs include the caches, aliased to its inputs.
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
-- `masked_self_attention`: the draft's inference self-attention, a few queries against its
-  fixed-size ring of keys under a boolean mask (dense XLA: the ring holds at most a window of
-  keys, nothing a flash kernel could skip).
+- `attend_and_write_slots`: the draft's inference self-attention, a block of tokens from its
+  q|k|v product against the draft's fixed-size ring and tree slots and against itself under a
+  boolean mask, then written into the slots (dense XLA: the slots hold at most a window and a tree
+  of keys, nothing a flash kernel could skip).
 
 The hybrid splits the keys (docs/ALGORITHM.md 6): attention over the cache and over the new keys
 each give (o, lse), combined exactly. impl "pallas" does it all in the fused Pallas kernel (the new
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.errors import UserError
-from longspec_jax.rope import rotate
+from longspec_jax.rope import rope_tables, rotate
 from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels import tree_attention as pallas_tree
@@ -50,7 +51,7 @@ __all__ = [
     "default_impl",
     "hybrid_tree_attention",
     "masked_attention",
-    "masked_self_attention",
+    "attend_and_write_slots",
     "masked_softmax_attention",
     "merge_attention",
     "prefill_attention",
@@ -322,11 +323,40 @@ def _chunked_window_attention(q, k, v, window: int):
     return o.reshape(b, n * c, hq, d)[:, :l]
 
 
-def masked_self_attention(q, k, v, mask):
-    """The draft's inference self-attention: q [B,T,Hq,D] against k/v [B,S,Hkv,D] (its ring and
-    tree slots, then its own block) under mask bool[B,T,S] -> o [B,T,Hq,D] in q.dtype (0 where a
-    row sees nothing). S is a window plus a tree, whatever the context length."""
-    return masked_softmax_attention(q.astype(k.dtype), k, v, mask)[0].astype(q.dtype)
+def attend_and_write_slots(
+    qkv, inv_freq, k_slots, v_slots, slot_positions, mask, write_slots, positions, *, num_heads: int
+):
+    """The draft's inference self-attention: a block of T tokens against its fixed buffer of key
+    slots (ring and tree slots) and against itself, then written there.
+
+    qkv [B,T,(Hq + 2 Hkv) * D]: the tokens' q|k|v product before RoPE, rotated at positions
+    int32[B,T] by the rates inv_freq float32[D/2] (`rope.inverse_frequencies`). The rotated q
+    attends k_slots/v_slots [B,S,Hkv,D] (keys after RoPE), then the block's own keys, where mask
+    bool[B,T,S + T] is True (slots' columns first). After every slot is read, token t's rotated
+    key, value and position go to slot write_slots[b, t] (S or more: not written). Returns
+    (o [B,T,Hq,D] in qkv.dtype, k_slots, v_slots, slot_positions); 0 where a row sees nothing. S is
+    a window plus a tree, whatever the context length.
+
+    XLA's ops: RoPE, dense attention over the concatenated keys, then three scatters ordered after
+    it. (One Pallas kernel for all of it, timed on the H200, took 22-58 us a call where XLA's
+    dozen kernels take ~25 us: BENCHMARKS.md.)"""
+    b, t, width = qkv.shape
+    hkv, d = k_slots.shape[2], k_slots.shape[3]
+    qkv = qkv.reshape(b, t, width // d, d).astype(k_slots.dtype)
+    cos, sin = rope_tables(positions, inv_freq)
+    q = rotate(qkv[:, :, :num_heads], cos, sin)
+    k = rotate(qkv[:, :, num_heads : num_heads + hkv], cos, sin)
+    v = qkv[:, :, num_heads + hkv :]
+    keys = jnp.concatenate([k_slots, k], axis=1)
+    values = jnp.concatenate([v_slots, v], axis=1)
+    o = masked_softmax_attention(q, keys, values, mask)[0]
+    # The writes below come after every read of the buffer: XLA then updates it in place. Without
+    # the order it copies the buffer before each write where it cannot tell (a decode loop nested
+    # in mode auto's branches).
+    o, (k_slots, v_slots, slot_positions) = jax.lax.optimization_barrier((o, (k_slots, v_slots, slot_positions)))
+    rows = jnp.arange(b)[:, None]
+    put = lambda buf, new: buf.at[rows, write_slots].set(new.astype(buf.dtype), mode="drop")
+    return o, put(k_slots, k), put(v_slots, v), put(slot_positions, positions)
 
 
 # The hybrid impl with the lowest measured time at the verify shapes on an H200 (BENCHMARKS.md,

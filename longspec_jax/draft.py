@@ -87,6 +87,10 @@ class DraftSelfAttention(nnx.Module):
         """q, k (after RoPE), v of x [B,T,H]."""
         return self.queries(x, positions, inv_freq), *self.keys_values(x, positions, inv_freq)
 
+    def packed_qkv(self, x):
+        """The q|k|v product of x [B,T,H] before RoPE: [B,T,(Hq + 2 Hkv) * D]."""
+        return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
 
 class PackedDraftSelfAttention(nnx.Module):
     """`DraftSelfAttention` with q/k/v as one `PackedLinear` (inference layout)."""
@@ -107,6 +111,10 @@ class PackedDraftSelfAttention(nnx.Module):
         """k (after RoPE), v (the q rows of the product are computed and dropped: this serves the
         ring's catch-up and prefill, not the draft's steps)."""
         return self.project(x, positions, inv_freq)[1:]
+
+    def packed_qkv(self, x):
+        """The q|k|v product of x [B,T,H] before RoPE: [B,T,(Hq + 2 Hkv) * D]."""
+        return self.qkv_proj(x)
 
 
 class DraftCrossAttention(nnx.Module):
@@ -166,18 +174,17 @@ class DraftBlock(nnx.Module):
         return self.self_attn.keys_values(self.input_layernorm(x.astype(self.dtype)), positions, self.inv_freq())
 
     def forward(self, x, positions, self_attend: Callable, cross_attend: Callable):
-        """x: token embeddings [B,T,H]; positions int32[B,T]. self_attend(q, k, v) -> o and
-        cross_attend(q) -> o, with q [B,T,Hq,D] after RoPE. Returns (output features [B,T,H],
-        (k, v) the block's self-attention keys (after RoPE) and values [B,T,Hkv,D])."""
+        """x: token embeddings [B,T,H]; positions int32[B,T]. self_attend(xn) -> (o, kept): the
+        self-attention of the normed input xn [B,T,H] from its own projection (`self_attn.project`
+        or `self_attn.packed_qkv`), o [B,T,Hq,D], and whatever the caller keeps of it;
+        cross_attend(q) -> o, with q [B,T,Hq,D] after RoPE. Returns (output features [B,T,H], kept)."""
         b, t, _ = x.shape
-        inv_freq = self.inv_freq()
         x = x.astype(self.dtype)
-        xn = self.input_layernorm(x)
-        q, k, v = self.self_attn.project(xn, positions, inv_freq)
-        h = x + self.self_attn.o_proj(self_attend(q, k, v).astype(x.dtype).reshape(b, t, -1))
-        qc = self.cross_attn.queries(self.post_self_attention_layernorm(h), positions, inv_freq)
+        o, kept = self_attend(self.input_layernorm(x))
+        h = x + self.self_attn.o_proj(o.astype(x.dtype).reshape(b, t, -1))
+        qc = self.cross_attn.queries(self.post_self_attention_layernorm(h), positions, self.inv_freq())
         h = h + self.cross_attn.o_proj(cross_attend(qc).astype(x.dtype).reshape(b, t, -1))
-        return h + self.mlp(self.post_cross_attention_layernorm(h)), (k, v)
+        return h + self.mlp(self.post_cross_attention_layernorm(h)), kept
 
 
 # ---------------------------------------------------------------- training forward
@@ -206,10 +213,15 @@ def draft_hidden(
     tokens, positions: int32[B,L] (positions anchor-offset, the same the target saw);
     target_k/v [B,L,Hkv,D]: the target's last-layer K (after RoPE) / V of these tokens;
     lag: int32 scalar j in 1..gamma-1 (flash noisy)."""
+
+    def self_attend(xn):
+        q, k, v = block.self_attn.project(xn, positions, block.inv_freq())
+        return attention.sliding_window_attention(q, k, v, block.window, impl=_impl(attn_impl)), None
+
     hidden, _ = block.forward(
         target_model.embed_tokens(tokens),
         positions,
-        lambda q, k, v: attention.sliding_window_attention(q, k, v, block.window, impl=_impl(attn_impl)),
+        self_attend,
         lambda q: flash_noisy_cross_attention(q, target_k, target_v, lag, impl=attn_impl),
     )
     return hidden
@@ -322,13 +334,13 @@ def lagged_cross_attention(q, target_k, target_v, cross_len, valid, *, impl: str
     return o.astype(q.dtype)
 
 
-def _after_reads(features, state: DraftState):
-    """(features, state), the state passed on once the block's output, and so every read of the
-    state, is done. A write into the state passed on is then ordered after the reads, and XLA
-    updates the ring in place. Without the order it copies the ring before each write where it
-    cannot tell (a decode loop nested in mode auto's branches: K, V and positions at every draft
-    level)."""
-    return jax.lax.optimization_barrier((features, state))
+def prefix_cross_attention(q, target_k, target_v, prefix_len, *, impl: str | None = None):
+    """Cross-attention of q [B,T,Hq,D] where every query of row b sees target rows
+    [0, prefix_len[b]): a tree level's, whose nodes all follow the same verified prefix. The plain
+    cache attention, with no masked block beside it (`lagged_cross_attention` with one cross_len
+    for all queries, in fewer kernels)."""
+    o, _ = attention.cache_attention(q.astype(target_k.dtype), target_k, target_v, prefix_len, impl=_impl(impl))
+    return o.astype(q.dtype)
 
 
 def _forward_block(
@@ -338,18 +350,19 @@ def _forward_block(
     tokens,
     positions,
     valid,
-    target_k,
-    target_v,
-    cross_len,
+    cross_attend: Callable,
     *,
     tree_slots_seen,
     block_seen,
-    attn_impl: str,
+    write_slots,
 ):
-    """One draft forward of a block of T tokens over the ring, the tree slots and itself ->
-    (features [B,T,H]: the block's output before the LM head, k, v [B,T,Hkv,D] of the block).
+    """One draft forward of a block of T tokens over the ring, the tree slots and itself, the
+    block's K/V then written into the state -> (features [B,T,H]: the block's output before the LM
+    head, the new state). cross_attend(q) -> o: the cross-attention over the target's cache.
     tree_slots_seen bool[B,T,R]: the tree slots each query sees; block_seen bool[B,T,T]: the block
-    tokens each query sees."""
+    tokens each query sees; write_slots int32[B,T]: where each token goes (W + R or more: nowhere).
+    The block is attended before it is written, so a commit that overwrites ring slots still
+    gives its queries the keys they held."""
     w = block.window
     b, t = tokens.shape
     p = positions[:, :, None]
@@ -361,20 +374,22 @@ def _forward_block(
     ring_or_tree = jnp.concatenate([jnp.ones((b, t, w), bool), tree_slots_seen], -1)
     slots_visible = in_window(slot_pos) & (slot_pos < p) & ring_or_tree
     block_visible = in_window(positions[:, None, :]) & block_seen & valid[:, None, :]
-    mask = jnp.concatenate([slots_visible, block_visible], axis=-1)
 
-    def self_attend(q, k, v):
-        keys = jnp.concatenate([state.k, k.astype(state.k.dtype)], axis=1)
-        values = jnp.concatenate([state.v, v.astype(state.v.dtype)], axis=1)
-        return attention.masked_self_attention(q, keys, values, mask)
+    def self_attend(xn):
+        o, k, v, slot_positions = attention.attend_and_write_slots(
+            block.self_attn.packed_qkv(xn),
+            block.inv_freq(),
+            state.k,
+            state.v,
+            state.positions,
+            jnp.concatenate([slots_visible, block_visible], axis=-1),
+            write_slots,
+            positions,
+            num_heads=block.config.num_heads,
+        )
+        return o, DraftState(k=k, v=v, positions=slot_positions)
 
-    out, (k, v) = block.forward(
-        target_model.embed_tokens(tokens),
-        positions,
-        self_attend,
-        lambda q: lagged_cross_attention(q, target_k, target_v, cross_len, valid, impl=attn_impl),
-    )
-    return out, k, v
+    return block.forward(target_model.embed_tokens(tokens), positions, self_attend, cross_attend)
 
 
 def _fused_head_top_k(target_model, features, k: int, noise=None):
@@ -443,23 +458,18 @@ def draft_commit(
     last-layer cache (cache.k[-1], cache.v[-1]). Causal within the block; cross-attention lag 1:
     the token at position t sees target rows [0, t)."""
     b, t = tokens.shape
-    features, k, v = _forward_block(
+    return _forward_block(
         block,
         target_model,
         state,
         tokens,
         positions,
         valid,
-        target_k,
-        target_v,
-        positions,
+        lambda q: lagged_cross_attention(q, target_k, target_v, positions, valid, impl=_impl(attn_impl)),
         tree_slots_seen=jnp.zeros((b, t, tree_slots(state, block.window)), bool),
         block_seen=jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
-        attn_impl=_impl(attn_impl),
+        write_slots=jnp.where(valid, positions % block.window, state.positions.shape[1]),
     )
-    slots = jnp.where(valid, positions % block.window, state.positions.shape[1])
-    features, state = _after_reads(features, state)
-    return features, _write_slots(state, slots, k, v, positions)
 
 
 def draft_propose_level(
@@ -490,23 +500,20 @@ def draft_propose_level(
     b = tokens.shape[0]
     positions = jnp.broadcast_to(root_positions[:, None] + depth, (b, w)).astype(jnp.int32)
     ancestors = jnp.zeros((b, w, r), bool).at[:, :, : start - 1].set(sees[:, :, 1:start])
-    features, k, v = _forward_block(
+    return _forward_block(
         block,
         target_model,
         state,
         tokens,
         positions,
         jnp.ones((b, w), bool),
-        target_k,
-        target_v,
-        jnp.broadcast_to(root_positions[:, None], (b, w)),
+        lambda q: prefix_cross_attention(q, target_k, target_v, root_positions, impl=_impl(attn_impl)),
         tree_slots_seen=ancestors,
         block_seen=sees[:, :, start:],
-        attn_impl=_impl(attn_impl),
+        write_slots=jnp.broadcast_to(
+            np.arange(block.window + start - 1, block.window + end - 1, dtype=np.int32), (b, w)
+        ),
     )
-    slots = jnp.broadcast_to(block.window + start - 1 + jnp.arange(w, dtype=jnp.int32), (b, w))
-    features, state = _after_reads(features, state)
-    return features, _write_slots(state, slots, k, v, positions)
 
 
 def draft_remember(block: DraftBlock, target_model, state: DraftState, tokens, positions, valid) -> DraftState:
