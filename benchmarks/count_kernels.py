@@ -31,6 +31,7 @@ from flax import nnx
 
 from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
 from infer.generate import parse_tree_widths
+from longspec_jax.adaptive import adaptive_proposer, candidate_plan
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start
 from longspec_jax.draft_io import init_draft
@@ -78,15 +79,21 @@ def loop_program(
     batch: int = 1,
     small_rows=None,
 ):
-    """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts, compiled
-    for `device` (a compile-only GPU from `gpu_device`, or any attached device). small_rows: the
-    inference layout's small-row products, the target's and the draft's (default: what that device
-    decodes with)."""
+    """The optimised HLO text of the decode loop `Generator` would run for `batch` greedy prompts,
+    compiled for `device` (a compile-only GPU from `gpu_device`, or any attached device). Mode
+    "auto": the adaptive loop of the greedy candidate plan at this batch size, which picks a
+    candidate each round (`widths` does not apply). small_rows: the inference layout's small-row
+    products, the target's and the draft's (default: what that device decodes with)."""
     rows = small_rows_for(device.platform) if small_rows is None else small_rows
-    proposer, proposer_params = proposer_for(mode, target, draft, widths, small_rows=rows)
+    if mode == "auto":
+        plan = candidate_plan(draft is not None, True, batch)
+        proposer, proposer_params = adaptive_proposer(target, draft, plan, small_rows=rows)
+        slack = proposer.slack
+    else:
+        proposer, proposer_params = proposer_for(mode, target, draft, widths, small_rows=rows)
+        slack = sum(proposer.widths)
     model = target.model.inference_layout(rows)
     graphdef, params = nnx.split(model)
-    slack = sum(proposer.widths)
     prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)
     config = LoopConfig(graphdef, proposer, new_bucket, attn_impl)
     sampling = SamplingParams.create(0.0)
@@ -119,7 +126,7 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), default="pallas")
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
-    parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec")
+    parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec, auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tree-widths", help="the mode's tree (pld: a chain of len(widths) tokens), e.g. 4,16,16")
     parser.add_argument(

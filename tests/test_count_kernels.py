@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from benchmarks import count_kernels
 from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels
+from longspec_jax.adaptive import candidate_plan
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.target import random_target
@@ -23,6 +24,19 @@ def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than
         assert " while(" in text
         counts[mode] = loop_body_kernels(text)
     assert 0 < counts["ar"] < counts["longspec"]
+
+
+def test_mode_auto_loop_holds_every_candidate():
+    """Mode auto's loop branches to each candidate's round (greedy, batch 1: AR, a prompt-lookup
+    chain, the draft's tree): more kernels than the tree's round alone, whose kernels it holds."""
+    target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
+    draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
+    cpu = jax.devices("cpu")[0]
+    widths = next(w for name, w in candidate_plan(True, True, 1) if name.startswith("tree"))
+    auto = count_kernels.loop_program(target, draft, "auto", 40, 8, "xla", cpu)
+    tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths)
+    assert " conditional(" in auto and " conditional(" not in tree
+    assert loop_body_kernels(auto) > loop_body_kernels(tree)
 
 
 def test_the_h200_description_names_a_hopper_chip():
