@@ -56,6 +56,7 @@ __all__ = [
     "merge_attention",
     "prefill_attention",
     "sliding_window_attention",
+    "write_at_slots",
     "write_cache_rows",
 ]
 
@@ -354,9 +355,15 @@ def attend_and_write_slots(
     # the order it copies the buffer before each write where it cannot tell (a decode loop nested
     # in mode auto's branches).
     o, (k_slots, v_slots, slot_positions) = jax.lax.optimization_barrier((o, (k_slots, v_slots, slot_positions)))
-    rows = jnp.arange(b)[:, None]
-    put = lambda buf, new: buf.at[rows, write_slots].set(new.astype(buf.dtype), mode="drop")
+    put = lambda buf, new: write_at_slots(buf, write_slots, new)
     return o, put(k_slots, k), put(v_slots, v), put(slot_positions, positions)
+
+
+def write_at_slots(buf: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """buf [B,S,...] with new [B,T,...] written at slots int32[B,T] (row t of sequence b to slot
+    slots[b, t]); slots outside [0, S) are dropped."""
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
 
 
 # The hybrid impl with the lowest measured time at the verify shapes on an H200 (BENCHMARKS.md,

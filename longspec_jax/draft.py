@@ -293,8 +293,7 @@ def init_draft_state(block: DraftBlock, batch: int, *, tree_slots: int = DEFAULT
 def _write_slots(state: DraftState, slots, k, v, positions) -> DraftState:
     """Write k/v [B,T,Hkv,D] and positions int32[B,T] at slots int32[B,T]; slots outside the
     buffer are dropped."""
-    rows = jnp.arange(k.shape[0])[:, None]
-    put = lambda buf, new: buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
+    put = lambda buf, new: attention.write_at_slots(buf, slots, new)
     return DraftState(k=put(state.k, k), v=put(state.v, v), positions=put(state.positions, positions))
 
 
