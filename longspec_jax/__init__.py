@@ -1,5 +1,6 @@
 """longspec-jax: LongSpec long-context lossless speculative decoding in JAX / Flax NNX / Pallas."""
 
+from longspec_jax import quiet_logs  # noqa: F401  (before anything imports transformers)
 from longspec_jax.config import ModelConfig, RopeScaling
 from longspec_jax.draft_io import Draft, init_draft, load_draft
 from longspec_jax.errors import GenerationInterrupted, UserError

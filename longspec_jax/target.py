@@ -78,22 +78,13 @@ def random_target(config: ModelConfig, *, seed: int = 0, dtype="float32") -> Tar
 def _load_gguf(path: Path, dtype) -> Target:
     from longspec_jax.checkpoint_gguf import read_gguf
     from longspec_jax.embedded import shipped_draft_for_gguf
+    from longspec_jax.tokenizer import load_tokenizer
 
     hf_config, tensors = read_gguf(path)
     config = ModelConfig.from_hf_dict(hf_config)
     model = model_from_hf_tensors(config, tensors, dtype)
     # Matched by content: the embedded SmolLM2 copied or linked elsewhere still gets its draft.
-    return Target(config, model, _gguf_tokenizer(path), shipped_draft=shipped_draft_for_gguf(path))
-
-
-def _gguf_tokenizer(path: Path):
-    try:
-        from longspec_jax.tokenizer import load_tokenizer
-    except ModuleNotFoundError as e:
-        if e.name != "longspec_jax.tokenizer":
-            raise
-        return None  # the GGUF tokenizer module has not landed yet
-    return load_tokenizer(path)
+    return Target(config, model, load_tokenizer(path), shipped_draft=shipped_draft_for_gguf(path))
 
 
 def _hf_tokenizer(directory: Path):

@@ -1,7 +1,8 @@
 """Tokenizers through transformers: from an HF checkpoint directory or from a GGUF's metadata.
 
 Everything is read locally (`local_files_only`), so HF_HUB_OFFLINE=1 works. A GGUF's tokenizer is
-converted once per file and then read from the on-disk cache (`gguf_cache`).
+built without torch (its metadata read with the gguf package, converted by transformers' vocabulary
+converters), once per file, and then read from the on-disk cache (`gguf_cache`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        fingerprint = converter_fingerprint(__file__, "transformers", "tokenizers")
+        fingerprint = converter_fingerprint(__file__, "transformers", "tokenizers", "gguf")
         return cached_gguf_tokenizer(path, lambda: _convert_gguf_tokenizer(path), fingerprint)
     if path.is_dir():
         try:
@@ -31,20 +32,35 @@ def load_tokenizer(path: str | Path):
 
 
 def _convert_gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    # transformers' own GGUF tokenizer route (`from_pretrained(gguf_file=...)`) goes through its GGUF
+    # weight loader, which needs torch; its vocabulary converters do not. So the metadata is read
+    # with the gguf package and handed to those converters, and torch stays out of the install.
+    from gguf import GGUFReader
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    _fix_gguf_special_tokens(tokenizer)
-    return tokenizer
-
-
-def _fix_gguf_special_tokens(tokenizer) -> None:
-    # transformers' GGUF Llama tokenizer converter names the BOS token as EOS too (SmolLM2 would
-    # never stop); the ids it read from the metadata are right, so the tokens are set from them.
-    for role in ("bos", "eos"):
-        token_id = tokenizer.init_kwargs.get(f"{role}_token_id")
-        if token_id is not None and getattr(tokenizer, f"{role}_token_id") != token_id:
-            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+    reader = GGUFReader(path)
+    metadata = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    architecture = reader.fields["general.architecture"].contents()
+    if architecture not in GGUF_TO_FAST_CONVERTERS or "tokenizer.ggml.tokens" not in metadata:
+        raise UserError(
+            f"{path} holds no tokenizer transformers can build (architecture {architecture!r}): "
+            "pass an HF checkpoint directory with tokenizer.json instead"
+        )
+    sections = {
+        section: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for section, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    backend, converter_kwargs = convert_gguf_tokenizer(architecture, sections["tokenizer"])
+    config = sections["tokenizer_config"]
+    tokens = sections["tokenizer"]["tokens"]
+    # A GGUF names its special tokens by id. The converters' own guesses are overridden (the Llama
+    # one names BOS as EOS: SmolLM2 would never stop); undeclared ones stay unset.
+    special = {
+        f"{role}_token": tokens[config[f"{role}_token_id"]] if config.get(f"{role}_token_id") is not None else None
+        for role in ("bos", "eos", "unk", "pad")
+    }
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**converter_kwargs, **config, **special})
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
