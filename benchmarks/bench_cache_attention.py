@@ -1,0 +1,154 @@
+"""The verify's attention over the cache on the GPU: the Triton split-K kernel against the Mosaic GPU
+one (TMA and wgmma), per layer, against the K/V bytes at the read rate measured in the same run.
+
+Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
+[0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
+Mosaic GPU: one XLA fusion). Timed in a device loop whose iteration calls the kernel once per
+layer, each layer with its own cache, each call's output the next call's queries. Correctness
+against float64 first, at shapes off the tile grid.
+
+One layer is the default: with eight, the loop holding the Mosaic GPU kernel did not finish in
+minutes on the H200 (not understood yet). With one, a cache smaller than the L2 (60 MB; at 4k
+tokens) stays there between iterations, so only contexts whose cache is several times the L2 read
+from memory as the model does.
+
+    python -m benchmarks.bench_cache_attention
+    python -m benchmarks.bench_cache_attention --shapes vicuna7b --contexts 32768 --batches 1 \
+        --mgpu-configs 64:3:auto,128:2:auto,64:4:16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longspec_jax.model_shapes import MODEL_SHAPES
+from pallas_kernels import cache_attention as triton_cache
+from pallas_kernels import cache_attention_mgpu as mgpu_cache
+from pallas_kernels.reference import attention_reference, cache_visibility
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+T = mgpu_cache.QUERY_ROWS
+ITERATIONS = 20
+# (B, Hq, Hkv, D, capacity, lengths) checked against float64: lengths off the tile grid, an empty
+# sequence, GQA, both head dims.
+CHECKS = [(2, 32, 8, 128, 4224, [4133, 0]), (1, 32, 32, 128, 1024, [1000]), (3, 9, 3, 64, 8192, [4500, 64, 7000])]
+
+
+def parse_config(text: str) -> dict:
+    """ "block_keys:stages:splits" (splits "auto": the kernel's default)."""
+    block_keys, stages, splits = text.split(":")
+    return dict(block_keys=int(block_keys), stages=int(stages), num_splits=None if splits == "auto" else int(splits))
+
+
+def check(configs) -> None:
+    rng = np.random.default_rng(0)
+    for b, hq, hkv, d, capacity, lengths in CHECKS:
+        q = jnp.asarray(rng.standard_normal((b, T, hq, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((b, capacity, hkv, d)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((b, capacity, hkv, d)), jnp.bfloat16)
+        lens = jnp.asarray(lengths, jnp.int32)
+        ref_o, ref_lse = attention_reference(q, k, v, cache_visibility(lengths, T, capacity))
+        for name, fn in [("triton", triton_cache.cache_attention)] + [
+            (f"mgpu {c}", lambda *a, c=c: mgpu_cache.cache_attention(*a, **parse_config(c))) for c in configs
+        ]:
+            try:
+                o, lse = fn(q, k, v, lens)
+            except Exception as e:  # a configuration that does not compile is reported, not fatal
+                print(f"check B={b} Hq={hq} Hkv={hkv} D={d} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+                continue
+            o_err = float(np.abs(np.asarray(o, np.float64) - ref_o).max())
+            finite = np.isfinite(ref_lse)
+            lse_err = float(np.abs(np.asarray(lse, np.float64)[finite] - ref_lse[finite]).max())
+            empty_ok = bool(np.all(np.isneginf(np.asarray(lse)[~finite])))
+            status = "ok" if o_err < 2e-2 and lse_err < 1e-2 and empty_ok else "WRONG"
+            print(f"check B={b} Hq={hq} Hkv={hkv} D={d} {lengths} {name}: o {o_err:.2e} lse {lse_err:.2e} {status}")
+
+
+def read_rate() -> float:
+    """Bytes per second a reduction reads from a 2 GiB array (the cache's stream rate ceiling)."""
+    x = jnp.ones((1 << 30,), jnp.bfloat16)
+    return x.nbytes / best_seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x, repeats=5)
+
+
+def best_seconds(fn, arg, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn(arg), after one to compile and warm up."""
+    fn(arg).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(arg).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def layer_seconds(attend, q, caches, lengths) -> float:
+    layers = len(caches) // 2
+
+    def body(_, q):
+        for i in range(layers):
+            q = attend(q, caches[2 * i], caches[2 * i + 1], lengths)[0]
+        return q
+
+    run = jax.jit(lambda q: jax.lax.fori_loop(0, ITERATIONS, body, q))
+    return best_seconds(run, q, repeats=3) / ITERATIONS / layers
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="vicuna7b,llama31_8b")
+    parser.add_argument("--contexts", default="32768")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--layers", type=int, default=1, help="caches cycled through per loop iteration")
+    parser.add_argument("--mgpu-configs", default="128:2:auto,64:3:auto", help="block_keys:stages:splits,...")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args(argv)
+    configs = args.mgpu_configs.split(",")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | {jax.devices()[0].device_kind} | jax {jax.__version__}"
+    )
+    if not args.skip_check:
+        check(configs)
+    rate = read_rate()
+    print(f"read rate {rate / 1e9:.0f} GB/s")
+    print(
+        "| shape | B | context | K/V MB | floor us | triton us | " + " | ".join(f"mgpu {c} us" for c in configs) + " |"
+    )
+    for shape in args.shapes.split(","):
+        config = MODEL_SHAPES[shape]
+        hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        for context in map(int, args.contexts.split(",")):
+            for batch in map(int, args.batches.split(",")):
+                keys = jax.random.split(jax.random.key(context + batch), 2 * args.layers + 1)
+                q = jax.random.normal(keys[0], (batch, T, hq, d), jnp.bfloat16)
+                caches = tuple(jax.random.normal(k, (batch, context, hkv, d), jnp.bfloat16) for k in keys[1:])
+                lengths = jnp.full((batch,), context, jnp.int32)
+                kv_bytes = 2 * batch * context * hkv * d * 2
+                started = time.perf_counter()
+                times = [layer_seconds(triton_cache.cache_attention, q, caches, lengths)]
+                print(f"  {shape} B={batch} {context} triton {times[0] * 1e6:.1f} us")
+                for c in configs:
+                    knobs = parse_config(c)
+                    try:
+                        attend = lambda *a, knobs=knobs: mgpu_cache.cache_attention(*a, **knobs)
+                        times.append(layer_seconds(attend, q, caches, lengths))
+                        print(f"  {shape} B={batch} {context} mgpu {c} {times[-1] * 1e6:.1f} us")
+                    except Exception as e:
+                        print(f"{shape} B={batch} {context} mgpu {c}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        times.append(float("nan"))
+                print(f"  ({time.perf_counter() - started:.0f} s for this row)")
+                cells = " | ".join(f"{s * 1e6:.1f} ({kv_bytes / s / 1e12:.2f} TB/s)" for s in times)
+                print(
+                    f"| {shape} | {batch} | {context} | {kv_bytes / 1e6:.0f} | {kv_bytes / rate * 1e6:.1f} | {cells} |"
+                )
+                del caches
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Split-K attention over the KV cache on Hopper's own units (Pallas Mosaic GPU): TMA loads, wgmma.
+
+The contract of cache_attention.cache_attention (T queries against the keys [0, cache_len[b]) of a
+cache [B, S, Hkv, D], no mask; o and the natural-log lse back), for the 64-token verify of a 7B
+model, where that Triton kernel is bound by its matrix work or its stream rate. Each block is one
+(KV head, slice of the sequence's keys, batch) and runs group + 1 warpgroups: the last issues the
+TMA copies of the slice's key and value tiles into a ring of shared-memory slots; each other one
+folds one query head of the group into an online softmax with wgmma (scores Q K^T, then P V,
+the probabilities through shared memory) and writes its partial (o normalised, lse). The partials
+are merged in XLA (`merge_partials`).
+
+The slices are cut from the true length as cache_attention.split_plan cuts them, so a sequence
+that fills part of its cache loads only the tiles it holds; keys past the length inside the last
+tile are masked. A slice with no keys writes o = 0 and lse = -inf, which the merge weighs 0.
+
+Not yet called by the model: BENCHMARKS.md ("The verify's cache attention on Hopper's units") has
+what it measured against the Triton kernel, and what is still to measure before a dispatch uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.cache_attention import split_plan
+
+QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
+_LOG2E = math.log2(math.e)
+
+
+MAX_GROUP = 4  # query heads a KV head: one compute warpgroup each, registers shared (_registers)
+
+
+def supports(q, k_cache) -> bool:
+    """Whether the kernel takes these operands: 64 queries, 16-bit, head dim a multiple of 64, at
+    most MAX_GROUP query heads a KV head."""
+    return (
+        q.shape[1] == QUERY_ROWS
+        and q.shape[2] // k_cache.shape[2] <= MAX_GROUP
+        and q.shape[-1] % 64 == 0
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and k_cache.dtype == q.dtype
+    )
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, group, block_keys, stages, num_splits):
+    (q_smems, k_smem, v_smem, p_smems, lse_smems), (q_barriers, k_ready, v_ready), (k_free, v_free) = scoped
+    kv_head, split, batch = lax.axis_index("kv_heads"), lax.axis_index("split"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    length = len_ref[batch]
+    num_tiles, per_split, _ = split_plan(length, num_splits, block_keys)
+    first = split * per_split
+    steps = jnp.maximum(jnp.minimum(first + per_split, num_tiles) - first, 0)
+
+    compute_regs, load_regs = _registers(group)
+
+    @pl.when(wg < group)
+    def _fold():
+        # Warpgroup wg folds query head kv_head * group + wg; all of them read the same K/V slots.
+        plgpu.set_max_registers(compute_regs, action="increase")
+        head = kv_head * group + wg
+        q_smem, p_smem, lse_smem, q_barrier = q_smems.at[wg], p_smems.at[wg], lse_smems.at[wg], q_barriers.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(0, QUERY_ROWS), head], q_smem, q_barrier)
+        plgpu.barrier_wait(q_barrier)
+        rows = plgpu.Layout.WGMMA.reduce(1)
+        m = plgpu.layout_cast(jnp.full((QUERY_ROWS,), -jnp.inf, jnp.float32), rows)
+        l = plgpu.layout_cast(jnp.full((QUERY_ROWS,), 0.0, jnp.float32), rows)
+        acc = plgpu.layout_cast(jnp.zeros((QUERY_ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+
+        def fold_tile(step, carry):
+            acc, m, l = carry
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((QUERY_ROWS, block_keys), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(key + (first + step) * block_keys < length, s * (scale * _LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, steps, fold_tile, (acc, m, l))
+        held = l > 0
+        inv = jnp.where(held, 1.0 / jnp.where(held, l, 1.0), 0.0)
+        q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_smem.dtype)
+        lse_smem[...] = jnp.where(held, (m + jnp.log2(jnp.where(held, l, 1.0))) / _LOG2E, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[batch, head, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == group)
+    def _load():
+        plgpu.set_max_registers(load_regs, action="decrease")
+
+        def issue(step, slot):
+            rows = (batch, pl.ds((first + step) * block_keys, block_keys), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        for slot in range(stages):
+            pl.when(slot < steps)(functools.partial(issue, slot, slot))
+
+        def wait_free(slot):
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+        @pl.loop(0, jnp.maximum(steps - stages, 0))
+        def _refill(step):
+            slot = lax.rem(step, stages)
+            wait_free(slot)
+            issue(step + stages, slot)
+
+        # The last use of each slot is waited for too: every phase of a barrier is seen by the
+        # warpgroup that waits on it, and the slots are idle when the kernel ends.
+        for slot in range(stages):
+            pl.when(slot < steps)(functools.partial(wait_free, slot))
+
+
+def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, stages, interpret):
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda *scoped: _kernel(
+                len_ref,
+                q_ref,
+                k_ref,
+                v_ref,
+                o_ref,
+                lse_ref,
+                scoped,
+                scale=scale,
+                group=group,
+                block_keys=block_keys,
+                stages=stages,
+                num_splits=num_splits,
+            ),
+            (
+                plgpu.SMEM((group, t, d), q.dtype, transforms=tiled),
+                plgpu.SMEM((stages, block_keys, d), q.dtype, transforms=tiled),
+                plgpu.SMEM((stages, block_keys, d), q.dtype, transforms=tiled),
+                plgpu.SMEM((group, t, block_keys), q.dtype, transforms=tiled),
+                plgpu.SMEM((group, t), jnp.float32),
+            ),
+            (
+                plgpu.Barrier(num_barriers=group),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+            ),
+            (
+                plgpu.Barrier(num_arrivals=group, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=group, num_barriers=stages),
+            ),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((b, hq, num_splits, t, d), q.dtype),
+            jax.ShapeDtypeStruct((b, hq, num_splits, t), jnp.float32),
+        ),
+        grid=(hkv, num_splits, b),
+        grid_names=("kv_heads", "split", "batch"),
+        num_threads=group + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(lengths, q, k_cache, v_cache)
+
+
+def _registers(group: int) -> tuple[int, int]:
+    """Registers a thread of a compute warpgroup and of the loading one hold after `setmaxnreg`.
+
+    The block starts with 64k registers split evenly over its group + 1 warpgroups (whole multiples
+    of 8 a thread); the loader gives most of its share back and the compute warpgroups take it. The
+    shares must add up to no more than the start: an increase waits until the registers are free, so
+    asking for more hangs the block. (A first split that asked 120 for each compute warpgroup at a
+    group of 4, 504 a thread slot against the start's 480, did not finish on the H200; this one has
+    not run there yet.)"""
+    warpgroups = group + 1
+    start = 65536 // (128 * warpgroups) // 8 * 8
+    load = 24 if group > 2 else 40
+    return min(232, (start * warpgroups - load) // group // 8 * 8), load
+
+
+def merge_partials(o_parts, lse_parts, out_dtype):
+    """(o [B,T,Hq,D] in out_dtype, lse float32 [B,Hq,T]) from partials o [B,Hq,P,T,D], lse [B,Hq,P,T]
+    (natural log; -inf where a slice held no keys)."""
+    top = jnp.max(lse_parts, axis=2, keepdims=True)
+    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse_parts - safe_top)
+    total = jnp.sum(w, axis=2)
+    o = jnp.einsum("bhpt,bhptd->bhtd", w, o_parts.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, safe_top[:, :, 0] + jnp.log(total), -jnp.inf)
+    return o.transpose(0, 2, 1, 3).astype(out_dtype), lse
+
+
+def default_num_splits(q, k_cache, block_keys: int) -> int:
+    """About two programs an SM (132 on the H200), no more slices than a full cache has tiles."""
+    programs = q.shape[0] * k_cache.shape[2]
+    return max(1, min(pl.cdiv(2 * 132, programs), k_cache.shape[1] // block_keys))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_keys", "stages", "interpret"))
+def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, num_splits, block_keys, stages, interpret):
+    lengths = jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])
+    o_parts, lse_parts = _partials(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        scale=scale,
+        num_splits=num_splits,
+        block_keys=block_keys,
+        stages=stages,
+        interpret=interpret,
+    )
+    return merge_partials(o_parts, lse_parts, q.dtype)
+
+
+def cache_attention(
+    q, k_cache, v_cache, cache_len, *, scale=None, num_splits=None, block_keys=64, stages=3, interpret=False
+):
+    """q [B,64,Hq,D] against the keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D] (16-bit, D a
+    multiple of 64, S a multiple of block_keys): (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T]).
+    interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
+    if not supports(q, k_cache):
+        raise ValueError(
+            f"cache_attention_mgpu: needs {QUERY_ROWS} queries, a 16-bit dtype, head dim a multiple of 64 and "
+            f"at most {MAX_GROUP} query heads a KV head; "
+            f"got q {q.shape} {q.dtype}, cache {k_cache.dtype}"
+        )
+    if k_cache.shape[1] % block_keys:
+        raise ValueError(f"cache_attention_mgpu: cache rows {k_cache.shape[1]} not a multiple of {block_keys}")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if num_splits is None:
+        num_splits = default_num_splits(q, k_cache, block_keys)
+    return _cache_attention(
+        q,
+        k_cache,
+        v_cache,
+        cache_len,
+        scale=scale,
+        num_splits=num_splits,
+        block_keys=block_keys,
+        stages=stages,
+        interpret=interpret,
+    )
