@@ -34,7 +34,7 @@ lint: $(VENV)/.dev-installed
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 demo: $(VENV)/.demo-installed
 	$(PY) -m infer.generate --prompt-file examples/doc.txt
