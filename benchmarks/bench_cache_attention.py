@@ -3,7 +3,9 @@ one (TMA and wgmma), per layer, against the K/V bytes at the read rate measured 
 
 Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
 [0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
-Mosaic GPU: one XLA fusion). Timed in a device loop whose iteration calls the kernel once per
+Mosaic GPU: one XLA fusion). Beside them, the kernel the model's verify runs (Triton: RoPE, the
+cache and the tree's own keys under its mask, the K/V writes, then the combine), to show what the
+verify pays beyond the cache. Timed in a device loop whose iteration calls the kernel once per
 layer, each layer with its own cache, each call's output the next call's queries. Correctness
 against float64 first, at shapes off the tile grid.
 
@@ -28,9 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from longspec_jax.model_shapes import MODEL_SHAPES
+from longspec_jax.rope import inverse_frequencies, rope_tables
 from pallas_kernels import cache_attention as triton_cache
 from pallas_kernels import cache_attention_mgpu as mgpu_cache
-from pallas_kernels.reference import attention_reference, cache_visibility
+from pallas_kernels import hybrid_attention as pallas_hybrid
+from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -89,15 +93,51 @@ def best_seconds(fn, arg, repeats: int) -> float:
 
 
 def layer_seconds(attend, q, caches, lengths) -> float:
+    """Seconds per call of attend(q, k_cache, v_cache, lengths) -> (o, k_cache, v_cache), one call
+    per layer in a device loop, the caches carried (a kernel that writes them does so in place)."""
     layers = len(caches) // 2
 
-    def body(_, q):
+    def body(_, carry):
+        q, caches = carry
+        new = []
         for i in range(layers):
-            q = attend(q, caches[2 * i], caches[2 * i + 1], lengths)[0]
-        return q
+            q, k, v = attend(q, caches[2 * i], caches[2 * i + 1], lengths)
+            new += [k, v]
+        return q, tuple(new)
 
-    run = jax.jit(lambda q: jax.lax.fori_loop(0, ITERATIONS, body, q))
-    return best_seconds(run, q, repeats=3) / ITERATIONS / layers
+    run = jax.jit(lambda carry: jax.lax.fori_loop(0, ITERATIONS, body, carry), donate_argnums=0)
+    state = [(jnp.copy(q), tuple(jnp.copy(c) for c in caches))]  # donated to the loop: the caller's stay valid
+
+    def step(_):
+        state[0] = run(state[0])
+        return state[0][0]
+
+    return best_seconds(step, None, repeats=3) / ITERATIONS / layers
+
+
+def cache_only(kernel):
+    """A cache kernel as an attender: the caches pass through unchanged."""
+    return lambda q, k, v, lengths: (kernel(q, k, v, lengths)[0], k, v)
+
+
+def verify_kernel(config, batch: int, context: int):
+    """The model's verify kernel as an attender: RoPE, the cache and the tree's own keys under a
+    random tree mask, their K/V written at rows [context, context + T). Its q|k|v input is the
+    queries with fixed new keys and values appended (one small XLA concatenation a call)."""
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    key_k, key_v = jax.random.split(jax.random.key(1))
+    new_k = jax.random.normal(key_k, (batch, T, hkv, d), jnp.bfloat16)
+    new_v = jax.random.normal(key_v, (batch, T, hkv, d), jnp.bfloat16)
+    positions = context + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
+    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
+    cos, sin = cos.reshape(batch, T, d // 2), sin.reshape(batch, T, d // 2)
+    mask = jnp.asarray(random_tree_mask(np.random.default_rng(0), batch, T))
+
+    def attend(q, k_cache, v_cache, lengths):
+        qkv = jnp.concatenate([q, new_k, new_v], axis=2)
+        return pallas_hybrid.hybrid_attention_and_write(qkv, cos, sin, k_cache, v_cache, lengths, mask, num_heads=hq)
+
+    return attend
 
 
 def main(argv=None) -> None:
@@ -118,7 +158,9 @@ def main(argv=None) -> None:
     rate = read_rate()
     print(f"read rate {rate / 1e9:.0f} GB/s")
     print(
-        "| shape | B | context | K/V MB | floor us | triton us | " + " | ".join(f"mgpu {c} us" for c in configs) + " |"
+        "| shape | B | context | K/V MB | floor us | triton cache us | triton verify us | "
+        + " | ".join(f"mgpu {c} us" for c in configs)
+        + " |"
     )
     for shape in args.shapes.split(","):
         config = MODEL_SHAPES[shape]
@@ -127,20 +169,26 @@ def main(argv=None) -> None:
             for batch in map(int, args.batches.split(",")):
                 keys = jax.random.split(jax.random.key(context + batch), 2 * args.layers + 1)
                 q = jax.random.normal(keys[0], (batch, T, hq, d), jnp.bfloat16)
-                caches = tuple(jax.random.normal(k, (batch, context, hkv, d), jnp.bfloat16) for k in keys[1:])
+                # Room for the verify kernel's writes, in whole 128-key tiles.
+                capacity = context + 128
+                caches = tuple(jax.random.normal(k, (batch, capacity, hkv, d), jnp.bfloat16) for k in keys[1:])
                 lengths = jnp.full((batch,), context, jnp.int32)
                 kv_bytes = 2 * batch * context * hkv * d * 2
                 started = time.perf_counter()
-                times = [layer_seconds(triton_cache.cache_attention, q, caches, lengths)]
-                print(f"  {shape} B={batch} {context} triton {times[0] * 1e6:.1f} us")
-                for c in configs:
-                    knobs = parse_config(c)
+                attenders = [
+                    ("triton cache", cache_only(triton_cache.cache_attention)),
+                    ("triton verify", verify_kernel(config, batch, context)),
+                ] + [
+                    (f"mgpu {c}", cache_only(lambda *a, knobs=parse_config(c): mgpu_cache.cache_attention(*a, **knobs)))
+                    for c in configs
+                ]
+                times = []
+                for name, attend in attenders:
                     try:
-                        attend = lambda *a, knobs=knobs: mgpu_cache.cache_attention(*a, **knobs)
                         times.append(layer_seconds(attend, q, caches, lengths))
-                        print(f"  {shape} B={batch} {context} mgpu {c} {times[-1] * 1e6:.1f} us")
-                    except Exception as e:
-                        print(f"{shape} B={batch} {context} mgpu {c}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                        print(f"  {shape} B={batch} {context} {name} {times[-1] * 1e6:.1f} us")
+                    except Exception as e:  # a configuration that does not compile is reported, not fatal
+                        print(f"  {shape} B={batch} {context} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
                         times.append(float("nan"))
                 print(f"  ({time.perf_counter() - started:.0f} s for this row)")
                 cells = " | ".join(f"{s * 1e6:.1f} ({kv_bytes / s / 1e12:.2f} TB/s)" for s in times)
