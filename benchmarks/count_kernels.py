@@ -78,15 +78,17 @@ def loop_program(
     widths=None,
     batch: int = 1,
     small_rows=None,
+    temperature: float = 0.0,
 ):
-    """The optimised HLO text of the decode loop `Generator` would run for `batch` greedy prompts,
-    compiled for `device` (a compile-only GPU from `gpu_device`, or any attached device). Mode
-    "auto": the adaptive loop of the greedy candidate plan at this batch size, which picks a
-    candidate each round (`widths` does not apply). small_rows: the inference layout's small-row
+    """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts at
+    `temperature` (0: greedy), compiled for `device` (a compile-only GPU from `gpu_device`, or any
+    attached device). Mode "auto": the adaptive loop of the candidate plan for that sampling and
+    batch size, which picks a candidate each round (`widths` does not apply); the other modes
+    compile one program for every temperature. small_rows: the inference layout's small-row
     products, the target's and the draft's (default: what that device decodes with)."""
     rows = small_rows_for(device.platform) if small_rows is None else small_rows
     if mode == "auto":
-        plan = candidate_plan(draft is not None, True, batch)
+        plan = candidate_plan(draft is not None, temperature == 0.0, batch)
         proposer, proposer_params = adaptive_proposer(target, draft, plan, small_rows=rows)
         slack = proposer.slack
     else:
@@ -96,7 +98,7 @@ def loop_program(
     graphdef, params = nnx.split(model)
     prompt_bucket, new_bucket, cache_rows = plan_lengths(prompt_tokens, new_tokens, slack=slack)
     config = LoopConfig(graphdef, proposer, new_bucket, attn_impl)
-    sampling = SamplingParams.create(0.0)
+    sampling = SamplingParams.create(temperature)
     stop = StopRule.create(target.config.eos_token_ids, new_tokens)
     cache = jax.eval_shape(lambda: init_cache(target.config, batch, cache_rows, model.dtype))
     start_args = (
@@ -128,6 +130,9 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec, auto")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (mode auto's candidates depend on it)"
+    )
     parser.add_argument("--tree-widths", help="the mode's tree (pld: a chain of len(widths) tokens), e.g. 4,16,16")
     parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"
@@ -146,6 +151,7 @@ def main(argv=None) -> dict[str, int]:
     projections = "fused" if args.fused_projections else "XLA"
     print(
         f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, batch {args.batch}, "
+        f"T = {args.temperature:g}, "
         f"attention {args.attn_impl}, projections {projections}, small-row products "
         f"{'off' if args.no_small_rows else SMALL_ROWS}"
     )
@@ -162,6 +168,7 @@ def main(argv=None) -> dict[str, int]:
             widths=parse_tree_widths(args.tree_widths),
             batch=args.batch,
             small_rows=() if args.no_small_rows else SMALL_ROWS,
+            temperature=args.temperature,
         )
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")

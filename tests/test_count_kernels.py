@@ -1,8 +1,11 @@
 """benchmarks/count_kernels.py builds the decode loop as Generator does and counts its kernels; on
 the CPU it compiles for the CPU (the GPU description needs the CUDA plugin wheels)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchmarks import count_kernels
 from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels
@@ -26,17 +29,23 @@ def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than
     assert 0 < counts["ar"] < counts["longspec"]
 
 
-def test_mode_auto_loop_holds_every_candidate():
-    """Mode auto's loop branches to each candidate's round (greedy, batch 1: AR, a prompt-lookup
-    chain, the draft's tree): more kernels than the tree's round alone, whose kernels it holds."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mode_auto_loop_holds_every_candidate(temperature):
+    """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
+    chain, the draft's deep tree; sampling: also a drawn chain, and a smaller tree): more kernels
+    than its largest tree's round alone, whose kernels it holds. The plan follows the temperature."""
     target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
     draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
     cpu = jax.devices("cpu")[0]
-    widths = next(w for name, w in candidate_plan(True, True, 1) if name.startswith("tree"))
-    auto = count_kernels.loop_program(target, draft, "auto", 40, 8, "xla", cpu)
+    plan = candidate_plan(True, temperature == 0.0, 1)
+    widths = max((w for name, w in plan if name.startswith("tree")), key=sum)
+    auto = count_kernels.loop_program(target, draft, "auto", 40, 8, "xla", cpu, temperature=temperature)
     tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths)
     assert " conditional(" in auto and " conditional(" not in tree
     assert loop_body_kernels(auto) > loop_body_kernels(tree)
+    # One branch per candidate of the plan for this temperature (greedy 3, sampling 4 at batch 1).
+    branches = re.search(r"branch_computations=\{([^}]*)\}", auto).group(1)
+    assert branches.count("%") == len(plan)
 
 
 def test_the_h200_description_names_a_hopper_chip():
