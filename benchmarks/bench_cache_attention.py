@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longspec_jax.decode_kit import timed
 from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.rope import inverse_frequencies, rope_tables
 from pallas_kernels import cache_attention as triton_cache
@@ -83,13 +84,8 @@ def read_rate() -> float:
 
 def best_seconds(fn, arg, repeats: int) -> float:
     """The fastest of `repeats` timed calls of fn(arg), after one to compile and warm up."""
-    fn(arg).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(arg).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+    timed(fn, arg)
+    return min(timed(fn, arg)[1] for _ in range(repeats))
 
 
 def layer_seconds(attend, q, caches, lengths) -> float:

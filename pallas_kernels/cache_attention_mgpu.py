@@ -28,13 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.cache_attention import split_plan
+from pallas_kernels import flash_block as fb
+from pallas_kernels.cache_attention import split_plan, valid_lengths
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
-_LOG2E = math.log2(math.e)
-
-
 MAX_GROUP = 4  # query heads a KV head: one compute warpgroup each, registers shared (_registers)
+_LOG2E = math.log2(math.e)
 
 
 def supports(q, k_cache) -> bool:
@@ -215,7 +214,9 @@ def _registers(group: int) -> tuple[int, int]:
 
 def merge_partials(o_parts, lse_parts, out_dtype):
     """(o [B,T,Hq,D] in out_dtype, lse float32 [B,Hq,T]) from partials o [B,Hq,P,T,D], lse [B,Hq,P,T]
-    (natural log; -inf where a slice held no keys)."""
+    (natural log; -inf where a slice held no keys). split_combine's kernel does this merge for the
+    Triton kernels, but for their float32 partials in grouped rows [B,Hkv,P,T*G,D]; these are each
+    query head's own TMA tiles."""
     top = jnp.max(lse_parts, axis=2, keepdims=True)
     safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse_parts - safe_top)
@@ -226,14 +227,14 @@ def merge_partials(o_parts, lse_parts, out_dtype):
 
 
 def default_num_splits(q, k_cache, block_keys: int) -> int:
-    """About two programs an SM (132 on the H200), no more slices than a full cache has tiles."""
+    """About two programs an SM, no more slices than a full cache has tiles."""
     programs = q.shape[0] * k_cache.shape[2]
-    return max(1, min(pl.cdiv(2 * 132, programs), k_cache.shape[1] // block_keys))
+    return max(1, min(pl.cdiv(2 * fb.NUM_SMS, programs), k_cache.shape[1] // block_keys))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_keys", "stages", "interpret"))
 def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, num_splits, block_keys, stages, interpret):
-    lengths = jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])
+    lengths = valid_lengths(cache_len, k_cache)
     o_parts, lse_parts = _partials(
         q,
         k_cache,
@@ -254,6 +255,9 @@ def cache_attention(
     """q [B,64,Hq,D] against the keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D] (16-bit, D a
     multiple of 64, S a multiple of block_keys): (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T]).
     interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
+    fb.check_grouped_shapes(q, k_cache, v_cache, "cache_attention_mgpu")
+    if cache_len.shape != (q.shape[0],):
+        raise ValueError(f"cache_attention_mgpu: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
     if not supports(q, k_cache):
         raise ValueError(
             f"cache_attention_mgpu: needs {QUERY_ROWS} queries, a 16-bit dtype, head dim a multiple of 64 and "
