@@ -39,6 +39,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth
@@ -78,6 +79,7 @@ SHAPES = {
 class Row:
     shape: str
     context: int
+    candidates: str = "all"  # the draft's candidate tokens: all, or how many
     round_ms: float = float("nan")
     draft_ms: float = float("nan")
     verify_ms: float = float("nan")
@@ -92,12 +94,23 @@ class Row:
 
 def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int:
     """Bytes the draft's `depth` steps of a round must read: each step the block's weights, the
-    shared LM head and the target's last-layer K/V at `context` rows a sequence (the ring, at most
-    the window's rows of one layer, left out)."""
-    head = model.embed if model.lm_head is None else model.lm_head
+    shared LM head (the rows of its candidate tokens, if it has them) and the target's last-layer
+    K/V at `context` rows a sequence (the ring, at most the window's rows of one layer, left out)."""
     c = model.config
-    kv = 2 * batch * context * c.num_kv_heads * c.head_dim * jnp.dtype(model.dtype).itemsize
-    return depth * (cache_bytes(nnx.state(draft.block)) + cache_bytes(head[...]) + kv)
+    itemsize = jnp.dtype(model.dtype).itemsize
+    rows = c.vocab_size if draft.candidate_tokens is None else len(draft.candidate_tokens)
+    kv = 2 * batch * context * c.num_kv_heads * c.head_dim * itemsize
+    return depth * (cache_bytes(nnx.state(draft.block)) + rows * c.hidden_size * itemsize + kv)
+
+
+def with_candidates(draft, vocabulary: str):
+    """The draft proposing from --candidate-tokens' entry: "all", or N (the first N token ids: a cut's
+    cost does not depend on which tokens it keeps)."""
+    if vocabulary == "all":
+        return draft.with_candidate_tokens(None)
+    if not vocabulary.isdigit() or int(vocabulary) < 1:
+        raise SystemExit(f"--candidate-tokens: {vocabulary!r} is neither all nor a positive count")
+    return draft.with_candidate_tokens(np.arange(min(int(vocabulary), draft.target_config.vocab_size)))
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -191,6 +204,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tau", type=float, default=3.5, help="tokens per round assumed for the projected speedup")
     p.add_argument("--fused-projections", action="store_true", help="the target's projections as fused Pallas kernels")
+    p.add_argument(
+        "--candidate-tokens",
+        default="all",
+        help="comma-separated draft vocabularies, a round timed with each: all, or N (the first N token ids)",
+    )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     args = p.parse_args(argv)
     shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
@@ -220,41 +238,46 @@ def main(argv: list[str] | None = None) -> list[Row]:
             f"(random, built in {time.perf_counter() - t0:.0f} s)"
         )
         for context in contexts:
-            row = Row(shape, context)
-            row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
-            row.draft_floor_ms = 1e3 * draft_round_bytes(model, draft, context, args.batch, len(widths)) / bandwidth
-            try:
-                row.round_ms, parts, draft_bytes = bench_longspec(
-                    target,
-                    graphdef,
-                    params,
-                    draft,
-                    context=context,
-                    batch=args.batch,
-                    widths=widths,
-                    rounds=rounds,
-                    repeats=args.repeats,
-                    impl=args.impl,
-                    trace_dir=args.trace and args.trace / shape,
-                )
-                row.draft_ms, row.verify_ms, row.accept_ms = parts["draft_ms"], parts["verify_ms"], parts["accept_ms"]
-                row.parts_sum_ms = parts["parts_sum_ms"]
-                row.draft_cache_mib = draft_bytes / 2**20
-                row.ar_ms = bench_ar(
-                    target,
-                    graphdef,
-                    params,
-                    context=context,
-                    batch=args.batch,
-                    steps=rounds,
-                    repeats=args.repeats,
-                    impl=args.impl,
-                    trace_dir=args.trace and args.trace / shape,
-                )
-            except Exception as e:  # out of memory at a long context is a row, not a crash
-                row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-            rows.append(row)
-            print(row, flush=True)
+            ar_ms = float("nan")
+            for vocabulary in args.candidate_tokens.split(","):
+                row = Row(shape, context, vocabulary)
+                cut = with_candidates(draft, vocabulary)
+                row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
+                row.draft_floor_ms = 1e3 * draft_round_bytes(model, cut, context, args.batch, len(widths)) / bandwidth
+                try:
+                    row.round_ms, parts, draft_bytes = bench_longspec(
+                        target,
+                        graphdef,
+                        params,
+                        cut,
+                        context=context,
+                        batch=args.batch,
+                        widths=widths,
+                        rounds=rounds,
+                        repeats=args.repeats,
+                        impl=args.impl,
+                        trace_dir=args.trace and args.trace / shape / vocabulary,
+                    )
+                    row.draft_ms, row.verify_ms = parts["draft_ms"], parts["verify_ms"]
+                    row.accept_ms, row.parts_sum_ms = parts["accept_ms"], parts["parts_sum_ms"]
+                    row.draft_cache_mib = draft_bytes / 2**20
+                    if ar_ms != ar_ms:  # once a context: the AR step does not depend on the draft
+                        ar_ms = bench_ar(
+                            target,
+                            graphdef,
+                            params,
+                            context=context,
+                            batch=args.batch,
+                            steps=rounds,
+                            repeats=args.repeats,
+                            impl=args.impl,
+                            trace_dir=args.trace and args.trace / shape,
+                        )
+                    row.ar_ms = ar_ms
+                except Exception as e:  # out of memory at a long context is a row, not a crash
+                    row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                rows.append(row)
+                print(row, flush=True)
         del target, draft, params
 
     print(
@@ -265,16 +288,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
     print("dr fl: the draft's bytes floor per round; ver/AR: the verify against the AR step (it reads as much).")
     print(
-        f"{'shape':<13}{'context':>8}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}{'verify':>8}"
+        f"{'shape':<13}{'context':>8}{'cands':>7}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}"
+        f"{'verify':>8}"
         f"{'ver/AR':>7}{'accept':>8}{'AR ms':>8}{'floor':>8}{'AR/fl':>7}{'rnd/AR':>8}{'AR tok/s':>10}{'proj. x':>9}"
         f"{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
-            print(f"{r.shape:<13}{r.context:>8}  failed: {r.error}")
+            print(f"{r.shape:<13}{r.context:>8}{r.candidates:>7}  failed: {r.error}")
             continue
         print(
-            f"{r.shape:<13}{r.context:>8}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
+            f"{r.shape:<13}{r.context:>8}{r.candidates:>7}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
             f"{r.draft_floor_ms:>7.2f}{r.draft_ms / r.draft_floor_ms:>7.2f}"
             f"{r.verify_ms:>8.2f}{r.verify_ms / r.ar_ms:>7.2f}{r.accept_ms:>8.2f}"
             f"{r.ar_ms:>8.2f}{r.ar_floor_ms:>8.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"

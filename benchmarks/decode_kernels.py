@@ -251,6 +251,18 @@ def setup(small: bool, prompt_tokens: int, target_path: str | None = None, rando
     return target, inference_draft(target), prompt
 
 
+def with_vocabulary(draft, vocabulary: str):
+    """The draft proposing from `vocabulary` (--candidate-tokens: "saved", "all" or a count N, the
+    first N token ids)."""
+    if vocabulary == "saved":
+        return draft
+    if vocabulary == "all":
+        return draft.with_candidate_tokens(None)
+    if not vocabulary.isdigit() or int(vocabulary) < 1:
+        raise SystemExit(f"--candidate-tokens: {vocabulary!r} is neither saved, all nor a positive count")
+    return draft.with_candidate_tokens(np.arange(min(int(vocabulary), draft.target_config.vocab_size)))
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a tiny random model (CPU smoke run)")
@@ -265,6 +277,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--variants", help="comma-separated, of: before, after, fused_projections (default: all)")
     parser.add_argument("--tree-widths", help="LongSpec's tree, e.g. 4,4,4 (default: the default tree)")
     parser.add_argument("--json", type=Path, help="also write the table's rows here, as a JSON list")
+    parser.add_argument(
+        "--candidate-tokens",
+        default="saved",
+        help="comma-separated draft vocabularies, LongSpec timed with each: saved (the draft's own), all (the "
+        "whole vocabulary), or N (the first N token ids: a cut's cost, whatever its tokens; e.g. all,16384)",
+    )
     args = parser.parse_args(argv)
     chosen = VARIANTS if not args.variants else tuple(args.variants.split(","))
     if set(chosen) - set(VARIANTS):
@@ -299,17 +317,33 @@ def main(argv=None) -> list[dict]:
             f"{name}: AR {ar['kernels']} kernels/step, {ar['ms']:.3f} ms/step, {ar['tokens_per_s']:.0f} tokens/s, "
             f"floor {floor_ms:.3f} ms ({row['ar_vs_floor']:.1f}x)"
         )
-        if draft is not None and not args.no_longspec:
+        if draft is None or args.no_longspec:
+            rows.append(row)
+            continue
+        vocabularies = args.candidate_tokens.split(",")
+        for vocabulary in vocabularies:
+            label = name if vocabularies == ["saved"] else f"{name}, {vocabulary} candidates"
             spec = measure(
-                variant, draft, "longspec", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name, widths
+                variant,
+                with_vocabulary(draft, vocabulary),
+                "longspec",
+                prompt,
+                new_tokens,
+                repeats,
+                args.attn_impl,
+                args.hlo_out,
+                name,
+                widths,
             )
-            row |= {"round_kernels": spec["kernels"], "round_ms": spec["ms"], "round_vs_ar_step": spec["ms"] / ar["ms"]}
-            row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
+            spec_row = row | {"variant": label, "round_kernels": spec["kernels"], "round_ms": spec["ms"]}
+            spec_row |= {"round_vs_ar_step": spec["ms"] / ar["ms"]}
+            spec_row |= {"longspec_tokens_per_s": spec["tokens_per_s"], "tau": spec["tau"]}
             print(
-                f"{name}: LongSpec {spec['kernels']} kernels/round, {spec['ms']:.3f} ms/round "
-                f"({row['round_vs_ar_step']:.2f} AR steps), tau {spec['tau']:.2f}, {spec['tokens_per_s']:.0f} tokens/s"
+                f"{label}: LongSpec {spec['kernels']} kernels/round, {spec['ms']:.3f} ms/round "
+                f"({spec_row['round_vs_ar_step']:.2f} AR steps), tau {spec['tau']:.2f}, "
+                f"{spec['tokens_per_s']:.0f} tokens/s"
             )
-        rows.append(row)
+            rows.append(spec_row)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -17,7 +17,9 @@ candidate, WARM_UP_REQUESTS at most), so timings hold neither compilation nor fi
 tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the same
 task and temperature. At T = 0 each speculative run is also checked to give exactly AR's tokens
 (lossless decoding). A mode may carry its own tree (`longspec:8-8-8`, `pld:1`: reported under
-that name beside the plain mode). A mode the build cannot run (no draft, engine missing) is skipped with its
+that name beside the plain mode), and a draft's mode the suffix `+full` (`auto+full`,
+`longspec:4-4-4+full`: its draft proposes from the whole vocabulary, not only the candidate tokens
+saved with it). A mode the build cannot run (no draft, engine missing) is skipped with its
 reason. Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did;
 the same command with --resume runs only what is missing; --summarise builds the tables from such
 files); the full results go to --json-out; a markdown table is printed last.
@@ -67,17 +69,27 @@ def _tokens_digest(tokens: list[int]) -> str:
     return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
+FULL_VOCABULARY = "+full"  # a --modes suffix: the draft proposes from the whole vocabulary
+
+
 def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     """(mode, its own tree widths or None) of a --modes entry: "ar", "auto", "pld", "longspec", or
-    "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode)."""
+    "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode);
+    a draft's mode may end in "+full" (its draft proposes from the whole vocabulary, not only its
+    candidate tokens: `full_vocabulary`)."""
     from infer.generate import parse_widths
     from longspec_jax.generation import AUTO_MODE, MODES
 
-    mode, _, widths = spec.partition(":")
-    if mode not in (*MODES, AUTO_MODE) or (widths and mode not in ("pld", "longspec")):
+    base = spec.removesuffix(FULL_VOCABULARY)
+    mode, _, widths = base.partition(":")
+    if (
+        mode not in (*MODES, AUTO_MODE)
+        or (widths and mode not in ("pld", "longspec"))
+        or (base != spec and mode not in ("longspec", AUTO_MODE))
+    ):
         raise UserError(
             f"unknown mode {spec!r} in --modes: choose from {', '.join((*MODES, AUTO_MODE))}, "
-            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8"
+            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8; longspec and auto may end in +full"
         )
     if not widths:
         return mode, None
@@ -85,6 +97,11 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     if parsed is None:
         raise UserError(f"the tree in --modes {spec!r} must be positive widths joined by '-', as in longspec:8-8-8")
     return mode, parsed
+
+
+def full_vocabulary(spec: str) -> bool:
+    """Whether a --modes entry runs its draft over the whole vocabulary (`parse_mode_spec`)."""
+    return spec.endswith(FULL_VOCABULARY)
 
 
 def run_benchmark(
@@ -133,9 +150,12 @@ def run_benchmark(
                 skipped[spec] = str(e)
                 continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
+        spec_draft = draft if mode in ("longspec", "auto") else None
+        if spec_draft is not None and full_vocabulary(spec):
+            spec_draft = spec_draft.with_candidate_tokens(None)
         generators[spec] = Generator(
             target,
-            draft if mode in ("longspec", "auto") else None,
+            spec_draft,
             mode=mode,
             attn_impl=impl,
             tree_widths=widths,

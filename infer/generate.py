@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; 1,1,1 is a chain the draft draws at "
         "random, verified by speculative sampling; pld takes a chain such as 1,1,1,1)",
     )
+    p.add_argument(
+        "--full-draft-vocabulary",
+        action="store_true",
+        help="let the draft propose from the whole vocabulary, not only the candidate tokens it was saved with",
+    )
     p.add_argument("--max-new-tokens", type=int_in_range(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -182,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
     if target.tokenizer is None:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
     draft = inference_draft(target, args.draft) if args.draft else None
+    if args.full_draft_vocabulary:
+        if args.mode not in ("longspec", AUTO_MODE):
+            raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
+        draft = draft or inference_draft(target)
+        draft = None if draft is None else draft.with_candidate_tokens(None)
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
     generator = Generator(target, draft, mode=args.mode, attn_impl=args.attn_impl, tree_widths=tree_widths)
     if tree_widths and generator.mode == "ar":

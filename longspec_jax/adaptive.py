@@ -9,8 +9,9 @@ not once per round, and the host never steps in:
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
-trees; at T > 0 the draft proposes a chain drawn from its distribution or a small tree coupled with
-the target's picks (acceptance.py); large batches get smaller trees. The choice each round is policy.py's.
+trees; at T > 0 the draft proposes a small tree coupled with the target's picks (acceptance.py),
+or at large batches a token drawn from its distribution; large batches get smaller trees. The choice
+each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
@@ -45,8 +46,8 @@ from longspec_jax.proposers import (
 from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
-DRAWN_CHAIN = (1,)  # a draft candidate at T > 0: one token drawn from it
-COUPLED_TREE = (4, 4, 4)  # the other at T > 0 below LARGE_BATCH: a tree coupled with the target's picks
+DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
+COUPLED_TREE = (4, 4, 4)  # ... below LARGE_BATCH: a tree coupled with the target's picks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,19 +123,22 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
     tokens), ahead of an adaptive set that also held a 10-token chain and a (4, 8, 8) tree
     (0.84-1.49x), whose mixed runs cost up to a third more than their candidates' calibrated rounds.
-    At T > 0 the draft's candidates are one token it draws at random, verified by speculative
-    sampling (proposers.py), and below LARGE_BATCH a (4, 4, 4) tree coupled with the target's picks
-    (acceptance.py). On the H200 at T = 1 (SmolLM2 and its draft, BENCHMARKS.md) the drawn token
-    keeps 1.45 tokens a round for 1.27 AR steps, the cheapest draft round; the coupled tree keeps
-    2.37 / 1.97 (code / summaries) for 1.88 AR steps, where wider or deeper coupled trees kept about
-    as much for more. Mode auto with both ran 1.24-1.39x / 1.11-1.18x AR (two runs) where the drawn
-    token alone ran 1.14x / 1.16x. At batch 4 and 8 a coupled (2, 2) tree beside the drawn token made
-    auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so large batches keep
-    the drawn token only. The prompt-lookup chain is short. Each candidate is one more branch to compile, so few."""
+    At T > 0 below LARGE_BATCH the draft's candidate is a (4, 4, 4) tree coupled with the target's
+    picks (acceptance.py). On the H200 at T = 1 (SmolLM2 and its draft, BENCHMARKS.md) it keeps
+    2.25 / 2.00 tokens a round (code / summaries) for 1.8 AR steps, 1.22x / 1.13x AR alone, where
+    wider or deeper coupled trees kept about as much for more. A token drawn from the draft
+    (verified by speculative sampling) keeps 1.45 a round for ~1.25 AR steps: below the tree on
+    both tasks, and next to AR where the draft is poor. Offered beside the tree it cost more than
+    it brought: a few unlucky first rounds of the tree left the policy on the drawn token, whose
+    estimate firms up faster (it runs every round), and mode auto ran at 0.96x / 1.05x AR where the
+    tree alone ran 1.22x / 1.13x (2026-12-03). At batch 4 and 8 a coupled (2, 2) tree beside the
+    drawn token made auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so
+    large batches keep the drawn token only. The prompt-lookup chain is short. Each candidate is
+    one more branch to compile, so few."""
     if greedy:
         chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:
-        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else ((2,), [DRAWN_CHAIN, COUPLED_TREE])
+        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else ((2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]
@@ -156,7 +160,7 @@ def adaptive_proposer(target, draft, plan, small_rows=None) -> tuple[Adaptive, t
         candidates += [Candidate(name, len(sources) - 1, PromptLookup(w)) for name, w in chains]
     if trees:
         check_draft(draft, target.config)
-        graphdef, draft_params = draft_parameters(draft, small_rows)
+        graphdef, draft_params = draft_parameters(draft, target, small_rows, [max(w) for w in trees])
         block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)), window=draft.config.window)
         rows = max(len(w) for w in trees) + 1  # the most its own rounds keep (others' it catches up on)
         sources.append(DraftProposer(block, trees[0], pending_rows=rows))

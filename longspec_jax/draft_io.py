@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longspec_jax.candidate_vocabulary import check_candidate_tokens
 from longspec_jax.checkpoint_hf import read_hf_tensors, read_safetensors_file
 from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.draft import DraftBlock, DraftConfig
@@ -35,6 +36,7 @@ CONFIG_FILE = "config.json"
 EXPORT_KEY = "longspec_jax_draft"
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 MARKER_TENSOR = "post_cross_attention_layernorm.weight"
+CANDIDATES_TENSOR = "candidate_tokens"  # our export's: the draft's candidate vocabulary
 BLOCK_PARTS = ("self_attn.", "cross_attn.", "mlp.", "input_layernorm.", "post_self_attention_layernorm.", MARKER_TENSOR)
 UNUSED_PARTS = ("cross_attn.k_proj.", "cross_attn.v_proj.")
 ROPE_BUFFER = "rotary_emb.inv_freq"  # older transformers saved it in state dicts; ours is recomputed
@@ -45,9 +47,11 @@ MAX_WINDOW = 1 << 20
 @dataclasses.dataclass
 class Draft:
     """A draft ready to run: `.block` (DraftBlock, float32 unless cast), `.config` (DraftConfig),
-    `.target_config` (the ModelConfig it was built for)."""
+    `.target_config` (the ModelConfig it was built for), `.candidate_tokens` (int32[C] ascending:
+    the tokens it proposes from, candidate_vocabulary.py; None: the whole vocabulary)."""
 
     block: DraftBlock
+    candidate_tokens: np.ndarray | None = None
 
     @property
     def config(self) -> DraftConfig:
@@ -60,11 +64,18 @@ class Draft:
     def cast(self, dtype) -> Draft:
         """A copy with every parameter in `dtype` (bfloat16 for inference)."""
         graphdef, state = nnx.split(self.block)
-        return Draft(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state)))
+        return Draft(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state)), self.candidate_tokens)
+
+    def with_candidate_tokens(self, ids) -> Draft:
+        """The same draft proposing from token ids (None: from the whole vocabulary)."""
+        if ids is not None:
+            ids = check_candidate_tokens(ids, self.target_config.vocab_size, "candidate tokens")
+        return dataclasses.replace(self, candidate_tokens=ids)
 
     def save(self, path: str | Path) -> Path:
-        """Write our export: `path/model.safetensors` (reference names, parameter dtype) and
-        `path/config.json` (the window and the target config it fits)."""
+        """Write our export: `path/model.safetensors` (reference names, parameter dtype; the
+        candidate tokens, if any, as `candidate_tokens`) and `path/config.json` (the window and
+        the target config it fits)."""
         from safetensors.flax import save_file
 
         path = Path(path)
@@ -73,6 +84,8 @@ class Draft:
             name: jnp.asarray(param[...].T if transposed else param[...])
             for name, param, transposed in draft_parameter_slots(self.block)
         }
+        if self.candidate_tokens is not None:
+            tensors[CANDIDATES_TENSOR] = jnp.asarray(self.candidate_tokens, jnp.int32)
         save_file(tensors, str(path / WEIGHTS_FILE))
         config = {EXPORT_KEY: dataclasses.asdict(self.config), "target": self.target_config.to_hf_dict()}
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -155,7 +168,10 @@ def draft_from_tensors(
         raise UserError(
             f"{source} has tensor {unexpected[0]} which the LongSpec draft block does not have: not a LongSpec draft"
         )
-    return Draft(block)
+    candidates = tensors.get(CANDIDATES_TENSOR)
+    if candidates is not None:
+        candidates = check_candidate_tokens(np.asarray(candidates), target_config.vocab_size, source)
+    return Draft(block, candidates)
 
 
 def _block_prefix(tensors: Mapping[str, object], source: str) -> str:

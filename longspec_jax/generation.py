@@ -41,6 +41,7 @@ from longspec_jax import attention
 from longspec_jax.acceptance_memory import memory_key, remember, weights_fingerprint, with_remembered
 from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
 from longspec_jax.calibration import calibrated, calibration_key, policy_stats
+from longspec_jax.candidate_vocabulary import candidate_tokens_key
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
@@ -195,8 +196,13 @@ class Generator:
         if self._fingerprint is None:
             draft = None if self.draft is None else nnx.state(self.draft.block)
             self._fingerprint = weights_fingerprint((self.params, draft))
+        vocabulary = None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens)
         return memory_key(
-            weights=self._fingerprint, candidates=proposer.names, batch=batch, **dataclasses.asdict(request.sampling)
+            weights=self._fingerprint,
+            draft_vocabulary=vocabulary,
+            candidates=proposer.names,
+            batch=batch,
+            **dataclasses.asdict(request.sampling),
         )
 
     def generate(
@@ -279,6 +285,7 @@ class Generator:
                 target=repr(self.target.config),
                 dtype=str(self.target.dtype),
                 draft=None if self.draft is None else repr(self.draft.config),
+                draft_vocabulary=None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens),
                 batch=start_args[3].shape[0],
                 cache_rows=cache_len,
                 new_bucket=new_bucket,

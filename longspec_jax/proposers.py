@@ -41,10 +41,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from longspec_jax.candidate_vocabulary import CandidateVocabulary, candidate_vocabulary
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft import (
     draft_candidates,
     draft_commit,
+    draft_logits,
     draft_prefill,
     draft_propose_level,
     draft_remember,
@@ -132,47 +134,68 @@ class PromptLookup:
         return 0
 
 
+@struct.dataclass
+class DraftParams:
+    """A `BlockDraft`'s parameters: the block's (nnx.split in its inference layout) and the draft's
+    candidate vocabulary (candidate_vocabulary.py; None: the whole vocabulary)."""
+
+    block: Any
+    vocabulary: CandidateVocabulary | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockDraft:
     """The LongSpec draft block (draft.py) behind the calls `DraftProposer` makes; static. Its
-    parameters (nnx.split of the block) are the proposer's parameters. `commit` and
-    `propose_level` return the draft's features, `candidates` a tree level's k candidates after
-    them (the likeliest when greedy, the race's closest when sampling: draft.draft_candidates),
-    `logits` their next-token logits float32[B, T, V] under the shared LM head. A stand-in
+    parameters are `DraftParams`. `commit` and `propose_level` return the draft's features,
+    `candidates` a tree level's k candidates after them (the likeliest when greedy, the race's
+    closest when sampling: draft.draft_candidates), `logits` their next-token logits
+    float32[B, T, V] under the shared LM head (-inf outside a candidate vocabulary). A stand-in
     draft (a test oracle) provides the same methods."""
 
     graphdef: Any
     tree_slots: int
     window: int  # the ring's positions (DraftConfig.window)
 
+    def _block(self, params: DraftParams):
+        return nnx.merge(self.graphdef, params.block)
+
     def init_state(self, params, batch: int):
-        return init_draft_state(nnx.merge(self.graphdef, params), batch, tree_slots=self.tree_slots)
+        return init_draft_state(self._block(params), batch, tree_slots=self.tree_slots)
 
     def prefill(self, params, target_model, state, tokens, lengths):
-        return draft_prefill(nnx.merge(self.graphdef, params), target_model, state, tokens, lengths)
+        return draft_prefill(self._block(params), target_model, state, tokens, lengths)
 
     def commit(self, params, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl):
-        block = nnx.merge(self.graphdef, params)
         return draft_commit(
-            block, target_model, state, tokens, positions, valid, target_k, target_v, attn_impl=attn_impl
+            self._block(params), target_model, state, tokens, positions, valid, target_k, target_v, attn_impl=attn_impl
         )
 
     def remember(self, params, target_model, state, tokens, positions, valid):
-        return draft_remember(nnx.merge(self.graphdef, params), target_model, state, tokens, positions, valid)
+        return draft_remember(self._block(params), target_model, state, tokens, positions, valid)
 
     def propose_level(
         self, params, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl
     ):
-        block = nnx.merge(self.graphdef, params)
         return draft_propose_level(
-            block, target_model, state, tokens, depth, sees, root_positions, target_k, target_v, attn_impl=attn_impl
+            self._block(params),
+            target_model,
+            state,
+            tokens,
+            depth,
+            sees,
+            root_positions,
+            target_k,
+            target_v,
+            attn_impl=attn_impl,
         )
 
     def candidates(self, params, target_model, features, k, attn_impl, sampling, noise):
-        return draft_candidates(target_model, features, k, sampling, noise, attn_impl=attn_impl)
+        return draft_candidates(
+            target_model, features, k, sampling, noise, attn_impl=attn_impl, vocabulary=params.vocabulary
+        )
 
     def logits(self, params, target_model, features):
-        return target_model.lm_logits(features)
+        return draft_logits(target_model, features, params.vocabulary)
 
 
 @struct.dataclass
@@ -317,12 +340,22 @@ def resolve_widths(mode: str, tree_widths, vocab_size: int) -> tuple[int, ...]:
     return validate_widths(DEFAULT_WIDTHS if tree_widths is None else tree_widths, vocab_size)
 
 
-def draft_parameters(draft, small_rows=None) -> tuple[Any, Any]:
-    """(graphdef, parameters) of the draft's block in its inference layout
+def draft_parameters(draft, target, small_rows=None, widths=()) -> tuple[Any, DraftParams]:
+    """(graphdef, `DraftParams`) of the draft's block in its inference layout
     (`DraftBlock.inference_layout`; small_rows: its products written as multiply-reduce, by default
-    the target's choice for the backend)."""
+    the target's choice for the backend) and, when the draft carries candidate tokens, their rows
+    of `target`'s LM head. widths: the trees it will grow (each level needs that many candidates)."""
     rows = small_rows_for(jax.default_backend()) if small_rows is None else small_rows
-    return nnx.split(draft.block.inference_layout(rows))
+    graphdef, block = nnx.split(draft.block.inference_layout(rows))
+    ids = draft.candidate_tokens
+    if ids is None:
+        return graphdef, DraftParams(block)
+    if max(widths, default=0) > len(ids):
+        raise UserError(
+            f"a tree level of {max(widths)} candidates needs at least that many candidate tokens, the draft has "
+            f"{len(ids)}: use narrower --tree-widths, or the whole vocabulary (--full-draft-vocabulary)"
+        )
+    return graphdef, DraftParams(block, candidate_vocabulary(target.model, ids))
 
 
 def proposer_for(mode: str, target, draft=None, tree_widths=None, small_rows=None) -> tuple[Any, Any]:
@@ -339,6 +372,6 @@ def proposer_for(mode: str, target, draft=None, tree_widths=None, small_rows=Non
             "or use mode 'pld' / 'ar'"
         )
     check_draft(draft, target.config)
-    graphdef, params = draft_parameters(draft, small_rows)
+    graphdef, params = draft_parameters(draft, target, small_rows, widths)
     block = BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1])), window=draft.config.window)
     return DraftProposer(block, widths), params

@@ -86,10 +86,10 @@ def test_plans_fit_sampling_and_batch():
     assert sum(tree(batched)) < sum(tree(greedy))  # large batches get smaller trees
     # ... down to the smallest: a one-token chain and a two-node tree.
     assert batched == {"ar": (), "pld 1": (1,), "tree 2": (2,)}
-    # At T > 0 the draft's candidates are a chain drawn from it and, at small batches, a small tree
-    # coupled with the target's picks.
+    # At T > 0 the draft's candidate is a small tree coupled with the target's picks, at large
+    # batches a token drawn from it.
     trees = lambda plan: sorted(w for n, w in plan.items() if n.startswith("tree"))  # noqa: E731
-    assert trees(sampled) == sorted([DRAWN_CHAIN, COUPLED_TREE])
+    assert trees(sampled) == [COUPLED_TREE]
     assert trees(batched_sampled) == [DRAWN_CHAIN]
     assert sum(COUPLED_TREE) < sum(tree(greedy))
     assert batched_sampled["pld 1"] == (1,)
@@ -135,19 +135,17 @@ def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
 
 
 def test_when_sampling_the_estimate_averages_over_more_rounds(target, draft, monkeypatch):
-    # A cheap drawn token runs every round. When sampling, its estimate stays the running mean of
+    # A cheap coupled tree runs every round. When sampling, its estimate stays the running mean of
     # its prior (its break-even, 0.5 tokens) and its rounds up to 64 rounds; greedy decoding's
     # weight would make it an average of the last ~8 rounds from the 8th round on.
-    monkeypatch.setattr(
-        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 10.0, DRAWN_TREE: 0.5, COUPLED: 9.0})
-    )
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 10.0, COUPLED: 0.5}))
     prompt = np.random.default_rng(6).integers(0, VOCAB, 20).tolist()
     result = generate(target, prompt, draft=draft, max_new_tokens=40, temperature=1.0, seed=3, eos_token_ids=())
-    drawn = result.stats.policy["candidates"][DRAWN_TREE]
-    rounds, mean = drawn["rounds"], drawn["tokens_per_round"]
-    assert rounds == sum(rounds_of(result).values()) >= 16
-    assert mean != round(mean)  # rounds kept one token or two: the two averages differ
-    assert drawn["estimate"] == pytest.approx((0.5 + rounds * mean) / (1 + rounds), rel=1e-5)
+    tree = result.stats.policy["candidates"][COUPLED]
+    rounds, mean = tree["rounds"], tree["tokens_per_round"]
+    assert rounds == sum(rounds_of(result).values()) >= 8
+    assert mean != round(mean)  # rounds kept different numbers of tokens: the two averages differ
+    assert tree["estimate"] == pytest.approx((0.5 + rounds * mean) / (1 + rounds), rel=1e-5)
 
 
 def test_switching_every_round_keeps_greedy_output_and_the_cache(target, draft, monkeypatch, tmp_path):
@@ -236,9 +234,10 @@ def test_a_draft_that_sits_out_other_rounds_catches_up_to_the_same_state(target,
 
     from flax import nnx
 
-    from longspec_jax.proposers import BlockDraft
+    from longspec_jax.proposers import BlockDraft, DraftParams
 
-    graphdef, params = nnx.split(draft.block)
+    graphdef, block_params = nnx.split(draft.block)
+    params = DraftParams(block_params)
     proposer = DraftProposer(BlockDraft(graphdef, tree_slots=4, window=draft.config.window), (2, 2), pending_rows=3)
     model = target.decode_model()
     rng = np.random.default_rng(rounds)
@@ -302,8 +301,8 @@ def test_prompt_lookup_that_sits_out_other_rounds_catches_up_to_the_same_history
 # kind from it (acceptance_memory.py, policy.with_memory).
 
 TREE = "tree 4,16,16,16,11"
-DRAWN_TREE = "tree " + ",".join(map(str, DRAWN_CHAIN))  # the draft's candidates at T > 0, batch 1
-COUPLED = "tree " + ",".join(map(str, COUPLED_TREE))
+DRAWN_TREE = "tree " + ",".join(map(str, DRAWN_CHAIN))  # the draft's candidate at T > 0, large batches
+COUPLED = "tree " + ",".join(map(str, COUPLED_TREE))  # ... and below them
 
 
 def test_with_memory_sets_only_untried_remembered_candidates():
@@ -392,9 +391,7 @@ def test_memory_is_kept_on_disk_and_keyed_by_the_sampling(target, draft, monkeyp
     acceptance_memory.forget_memory()  # what a new process starts with
     again = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     assert again.stats.policy["remembered"] == ["pld 10", TREE]
-    monkeypatch.setattr(
-        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 3.0, DRAWN_TREE: 3.0, COUPLED: 3.0})
-    )
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 2": 3.0, COUPLED: 3.0}))
     sampled = generate(target, prompt, draft=draft, max_new_tokens=24, temperature=0.7, eos_token_ids=())
     assert sampled.stats.policy["remembered"] == []  # another kind of request
 

@@ -18,3 +18,15 @@ def test_draft_floor_reads_block_head_and_last_layer_cache_each_step():
     assert draft_round_bytes(model, draft, context=64, batch=2, depth=1) - one == 64 * per_row
     head = c.vocab_size * c.hidden_size * 4
     assert one > head + 64 * per_row  # and the block's weights
+
+
+def test_a_cut_draft_reads_only_its_candidates_rows_of_the_head():
+    from benchmarks.bench_speculative import with_candidates
+
+    target = random_target(SHAPES["tiny"], dtype="float32")
+    model, draft = target.decode_model(), init_draft(target, seed=1)
+    c = model.config
+    whole = draft_round_bytes(model, with_candidates(draft, "all"), context=64, batch=1, depth=2)
+    cut = draft_round_bytes(model, with_candidates(draft, "32"), context=64, batch=1, depth=2)
+    assert whole - cut == 2 * (c.vocab_size - 32) * c.hidden_size * 4
+    assert with_candidates(draft, "32").candidate_tokens.tolist() == list(range(32))

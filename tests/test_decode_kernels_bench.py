@@ -31,6 +31,24 @@ def test_one_variant_with_a_chosen_tree(monkeypatch):
     assert row["variant"] == "after" and row["round_kernels"] > row["ar_kernels"] > 0
 
 
+def test_longspec_once_per_draft_vocabulary(monkeypatch):
+    """--candidate-tokens all,N: a LongSpec row each, the AR step shared; N cuts the draft's
+    candidates to the first N ids."""
+    monkeypatch.setattr(decode_kit, "_COMPILED", {})
+    cuts = []
+    original = decode_kernels.with_vocabulary
+    monkeypatch.setattr(
+        decode_kernels, "with_vocabulary", lambda d, v: cuts.append(original(d, v).candidate_tokens) or original(d, v)
+    )
+    args = ["--small", "--repeats", "1", "--variants", "after", "--tree-widths", "2,2", "--candidate-tokens", "all,64"]
+    rows = decode_kernels.main(args)
+    assert [r["variant"] for r in rows] == ["after, all candidates", "after, 64 candidates"]
+    assert rows[0]["ar_step_ms"] == rows[1]["ar_step_ms"] and all(r["round_ms"] > 0 for r in rows)
+    assert cuts[0] is None and cuts[1].tolist() == list(range(64))
+    with pytest.raises(SystemExit, match="neither saved, all nor a positive count"):
+        decode_kernels.with_vocabulary(None, "some")
+
+
 def test_an_unknown_variant_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit):
         decode_kernels.main(["--small", "--variants", "after,faster"])

@@ -258,13 +258,23 @@ def exact_first_three(target, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,widths",
-    # (1, 1): a chain drawn from the draft, verified by speculative sampling.
-    [(1.0, 1.0, (2, 2)), (0.7, 1.0, (2, 2)), (1.0, 0.8, (2, 2)), (1.0, 1.0, (1, 1)), (0.7, 0.8, (1, 1))],
+    "temperature,top_p,widths,candidates",
+    # (1, 1): a chain drawn from the draft, verified by speculative sampling. candidates: the
+    # draft's candidate tokens (None: all), here leaving out token 2, which the target does pick.
+    [
+        (1.0, 1.0, (2, 2), None),
+        (0.7, 1.0, (2, 2), None),
+        (1.0, 0.8, (2, 2), None),
+        (1.0, 1.0, (1, 1), None),
+        (0.7, 0.8, (1, 1), None),
+        (1.0, 1.0, (2, 2), (0, 1, 3)),
+        (0.7, 0.8, (1, 1), (0, 1, 3)),
+    ],
 )
-def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths):
+def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates):
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
+    draft = draft.with_candidate_tokens(candidates)
     prompt = [1, 3, 0, 2, 2]
     result = generate(
         target,
@@ -285,6 +295,9 @@ def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, w
         (tokens[:, 0] * SAMPLE_VOCAB + tokens[:, 1]) * SAMPLE_VOCAB + tokens[:, 2], minlength=SAMPLE_VOCAB**3
     )
     assert observed[expected == 0].sum() == 0
+    if candidates is not None:  # the target often picks what the draft can never propose
+        outside = np.isin(np.arange(SAMPLE_VOCAB**3) // SAMPLE_VOCAB**2, candidates, invert=True)
+        assert expected[outside].sum() > 0.1 * SAMPLES
     # Cells expected below 5 are pooled into one (chi-square needs it), if there are any.
     big = expected >= 5
     small = ~big & (expected > 0)
