@@ -18,6 +18,7 @@ not with the span.
     python -m benchmarks.trace_round --out /tmp/trace      # GPU
     python -m benchmarks.trace_round --out /tmp/trace --fused-projections
     python -m benchmarks.trace_round --out /tmp/trace --tree-widths 1 --temperature 1   # one drawn token
+    python -m benchmarks.trace_round --out /tmp/trace --tree-widths 4,4,4 --temperature 1 --candidate-tokens 16384
     python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
 """
 
@@ -127,15 +128,17 @@ def record(
     tree_widths=None,
     temperature: float = 0.0,
     op_by_op: bool = False,
+    candidate_tokens: str = "all",
 ) -> dict[str, Path]:
     if not op_by_op:  # read by XLA when jax starts its backend, which importing jax below does not yet
         os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
     import jax
 
-    from benchmarks.decode_kernels import setup
+    from benchmarks.decode_kernels import setup, with_vocabulary
     from longspec_jax.generation import Generator
 
     target, draft, prompt = setup(small=False, prompt_tokens=prompt_tokens, random_weights=True)
+    draft = with_vocabulary(draft, candidate_tokens)
     target.model.fused_projections = fused_projections
     traces = {}
     for mode in ("longspec", "ar"):
@@ -161,6 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-widths", type=lambda s: tuple(int(w) for w in s.split(",")), help="e.g. 1 or 4,16,16")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
+        "--candidate-tokens", default="all", help="the draft's vocabulary: all, or N (the first N token ids)"
+    )
+    parser.add_argument(
         "--op-by-op", action="store_true", help="profile as XLA does by default: every kernel launched from the host"
     )
     args = parser.parse_args(argv)
@@ -175,6 +181,7 @@ def main(argv=None) -> None:
             args.tree_widths,
             args.temperature,
             args.op_by_op,
+            args.candidate_tokens,
         )
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))

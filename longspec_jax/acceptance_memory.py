@@ -11,15 +11,16 @@ workload) and its retry wait, in memory and in a small JSON file under the proje
 (`$LONGSPEC_CACHE/acceptance`; rewritten at most every SAVE_EVERY_S and when the process exits).
 The next request of the same kind (the same target and draft weights, candidates, batch size and
 sampling settings) starts each remembered candidate from them (`policy.with_memory`; when sampling
-the estimate weighs as the rounds behind it, at most MEMORY_ROUNDS, greedy as one round): picked at
-once where its remembered rate is the best, else retried when its wait is out, not tried at the
-start. Tokens per round depend on neither the device nor the cache's size, so neither is part of
-the key. A file that cannot be read or written is ignored.
+the estimate weighs as the rounds behind it, at most SAMPLED_EVIDENCE, greedy as one round): picked
+at once where its remembered rate is the best, else retried when its wait is out (when sampling,
+the first wait: see `with_remembered`), not tried at the start. Tokens per round depend on neither
+the device nor the cache's size, so neither is part of the key. A file that cannot be read or
+written is ignored.
 
 The price: requests of one key that differ in kind (code, where a tree keeps five tokens a round,
-and prose, where it keeps two) start from their mix, and a candidate remembered as losing is
-retried only when its remembered wait is out, so a short request of the other kind may not try it
-at all. Deleting `$LONGSPEC_CACHE/acceptance` starts afresh.
+and prose, where it keeps two) start from their mix, and greedy, a candidate remembered as losing
+is retried only when its remembered wait is out, so a short request of the other kind may not try
+it at all. Deleting `$LONGSPEC_CACHE/acceptance` starts afresh.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ import jax
 import numpy as np
 
 from longspec_jax.compile_cache import cache_root, keep_json
-from longspec_jax.policy import AR, with_memory
+from longspec_jax.policy import AR, FIRST_WAIT, with_memory
 
 MEMORY_ROUNDS = 64  # the older requests' rounds count as at most this many against a new request's
+SAMPLED_EVIDENCE = 16  # when sampling, a remembered estimate weighs as at most this many rounds
 FINGERPRINT_ELEMENTS = 4096  # of each weight array, hashed to tell two checkpoints of one shape apart
 SAVE_EVERY_S = 10.0  # a key's file is rewritten at most this often (and when the process exits)
 _MEMORY: dict[str, dict[str, dict[str, float]]] = {}
@@ -129,19 +131,24 @@ def forget_memory() -> None:
 def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = False):
     """The loop state with each remembered candidate's estimate and wait set (policy.with_memory)
     -> (state, the names of the candidates that start from memory). sampled: the request samples,
-    and a remembered estimate weighs as the rounds behind it (at most MEMORY_ROUNDS): what a drawn
-    token keeps is a property of draft and target, which one round's luck must not overturn. Greedy,
-    it weighs as one round: what a tree or a prompt-lookup chain keeps follows the text (a chain
-    that kept six tokens a round on the last request's code may keep one on this one's), and on a
-    CPU a round of either costs several AR steps, so the first round of evidence decides."""
+    and a remembered estimate weighs as the rounds behind it (at most SAMPLED_EVIDENCE): what a
+    drawn token keeps is a property of draft and target, which one round's luck must not overturn;
+    and a remembered loser is retried after the first wait (policy.FIRST_WAIT), not its remembered
+    one. Else a short first sample (the calibration's rounds of a coupled tree, ~20, once said 1.52
+    tokens a round where the tree keeps 2.25 and breaks even at 1.72) shut the tree out of every
+    later request: never retried, its memory never corrected, mode auto ran AR (0.89x on the H200,
+    2026-12-03). Greedy, it weighs as one round: what a tree or a prompt-lookup chain keeps follows
+    the text (a chain that kept six tokens a round on the last request's code may keep one on this
+    one's), and on a CPU a round of either costs several AR steps, so the first round of evidence
+    decides."""
     kept = load_memory(key, memory_folder())
     remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
     if not remembered:
         return state, ()
     tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
-    wait = np.asarray([kept[n]["wait"] if n in remembered else 0 for n in names], np.int32)
+    wait = np.asarray([(FIRST_WAIT if sampled else kept[n]["wait"]) if n in remembered else 0 for n in names], np.int32)
     rounds = np.asarray(
-        [min(kept[n]["rounds"], MEMORY_ROUNDS) if sampled and n in remembered else 1 for n in names], np.float32
+        [min(kept[n]["rounds"], SAMPLED_EVIDENCE) if sampled and n in remembered else 1 for n in names], np.float32
     )
     policy = _with_memory(state.proposal.policy, tokens, wait, rounds)
     return state.replace(proposal=state.proposal.replace(policy=policy)), remembered

@@ -19,7 +19,7 @@ from longspec_jax.adaptive import COUPLED_TREE, DRAWN_CHAIN, Adaptive, Candidate
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
-from longspec_jax.policy import FIRST_WAIT, PolicyState, init_policy, with_memory
+from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
@@ -332,15 +332,41 @@ def test_a_remembered_estimate_weighs_its_rounds_only_when_sampling():
     # sampling, what a drawn token keeps is the draft's and the target's: dozens of rounds stand.
     names = ("ar", "pld 2", DRAWN_TREE)
     key = acceptance_memory.memory_key(test="weighs")
-    entry = {"tokens_per_round": 1.5, "rounds": 500, "wait": 8}
+    entry = {"tokens_per_round": 1.5, "rounds": 500, "wait": 64}
     acceptance_memory.save_memory(key, {"pld 2": entry, DRAWN_TREE: entry}, None)
     state = _LoopState(_Proposal(init_policy(jnp.ones(3), max_tokens=[1, 3, 2])))
     greedy, remembered = acceptance_memory.with_remembered(state, names, key)
     sampled, _ = acceptance_memory.with_remembered(state, names, key, sampled=True)
     assert remembered == ("pld 2", DRAWN_TREE)
     assert greedy.proposal.policy.evidence.tolist() == [1.0, 1.0, 1.0]
-    assert sampled.proposal.policy.evidence.tolist() == [1.0, *[float(acceptance_memory.MEMORY_ROUNDS)] * 2]
+    assert sampled.proposal.policy.evidence.tolist() == [1.0, *[float(acceptance_memory.SAMPLED_EVIDENCE)] * 2]
     np.testing.assert_allclose(sampled.proposal.policy.tokens_per_round, [1.0, 1.5, 1.5])
+    # Greedy keeps the remembered retry wait; sampling retries a remembered loser after the first.
+    assert greedy.proposal.policy.wait.tolist()[1:] == [64, 64]
+    assert sampled.proposal.policy.wait.tolist()[1:] == [FIRST_WAIT, FIRST_WAIT]
+
+
+def test_when_sampling_a_remembered_loser_wins_its_place_back():
+    """The H200 case (T = 1, 2026-12-03): AR 0.663 ms a round, the coupled tree 1.143 ms (it breaks
+    even at 1.72 tokens); the memory says the tree kept 1.52 over its 20 calibration rounds, with a
+    long wait; it really keeps 2.35. From what `with_remembered` starts a sampled request with, the
+    tree is retried and runs from then on; started as the memory used to weigh (64 rounds, the
+    remembered wait) it never ran again."""
+    from tests.test_policy import simulate
+
+    names, key = ("ar", COUPLED), acceptance_memory.memory_key(test="loser")
+    entry = {"tokens_per_round": 1.52, "rounds": 64, "wait": 256}
+    acceptance_memory.save_memory(key, {COUPLED: entry}, None)
+    policy = with_costs(init_policy(jnp.ones(2), max_tokens=[1, 4]), [0.663, 1.143])
+    start, _ = acceptance_memory.with_remembered(_LoopState(_Proposal(policy)), names, key, sampled=True)
+    rng = np.random.default_rng(0)
+    kept = rng.choice([1, 2, 3, 4], 128, p=[0.35, 0.2, 0.2, 0.25])
+    tokens = np.stack([np.ones(128), kept], 1).astype(np.int32)
+    _, chosen = simulate(start.proposal.policy, tokens, True)
+    assert (np.asarray(chosen)[32:] == 1).mean() > 0.9, np.asarray(chosen)
+    before = with_memory(policy, np.asarray([np.nan, 1.52]), np.asarray([0, 256]), np.asarray([0, 64]))
+    _, chosen = simulate(before, tokens, True)
+    assert (np.asarray(chosen) == AR).all()
 
 
 def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, draft, monkeypatch):
