@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     tree_widths = parse_tree_widths(args.tree_widths)
     if args.draft and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--draft applies to --mode longspec only: drop it or pass --mode longspec")
+    if args.full_draft_vocabulary and args.mode not in ("longspec", AUTO_MODE):
+        raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
         raise UserError("--tree-widths applies to --mode longspec or pld only: drop it or pick one of those modes")
 
@@ -188,8 +190,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
     draft = inference_draft(target, args.draft) if args.draft else None
     if args.full_draft_vocabulary:
-        if args.mode not in ("longspec", AUTO_MODE):
-            raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
         draft = draft or inference_draft(target)
         draft = None if draft is None else draft.with_candidate_tokens(None)
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)

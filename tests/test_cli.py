@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infer.generate import main
+from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import Generator
 from longspec_jax.target import load_target
 from tests.tiny_models import save_tiny_checkpoint, tiny_config
@@ -63,6 +65,22 @@ def test_json_output_matches_the_library(checkpoint, prompt_file, capsys):
     )
 
 
+def test_a_drafts_candidate_tokens_or_the_whole_vocabulary_give_the_same_greedy_tokens(
+    checkpoint, prompt_file, tmp_path, capsys
+):
+    target = load_target(checkpoint, dtype="float32")
+    vocab = target.config.vocab_size
+    draft = init_draft(target, seed=1).with_candidate_tokens(np.arange(0, vocab, 2)).save(tmp_path / "draft")
+    args = ["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "6", "--json"]
+    args += ["--mode", "longspec", "--draft", str(draft), "--tree-widths", "2,2"]
+    runs = []
+    for extra in ([], ["--full-draft-vocabulary"]):
+        assert main(args + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    ar = Generator(target, mode="ar").generate(prompt_file.read_text(), max_new_tokens=6).tokens[0]
+    assert runs[0] == runs[1] == ar
+
+
 def test_plain_output_prints_text_then_stats(checkpoint, prompt_file, capsys):
     assert (
         main(
@@ -103,6 +121,7 @@ def bad_prompt_files(tmp_path):
         (["--prompt-file", "{tmp}/long.txt", "--tree-widths", "4,x"], "--tree-widths"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--draft", "{tmp}"], "--mode longspec only"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--tree-widths", "4,16"], "longspec or pld only"),
+        (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--full-draft-vocabulary"], "a draft's modes"),
         # auto mode on a target without a shipped draft decodes AR, where tree widths mean nothing
         (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--tree-widths", "4,16"], "needs a draft"),
     ],
