@@ -39,10 +39,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth
+from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth, with_vocabulary
 from benchmarks.trace_round import print_summary, print_top, summarise
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
@@ -101,16 +100,6 @@ def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int
     rows = c.vocab_size if draft.candidate_tokens is None else len(draft.candidate_tokens)
     kv = 2 * batch * context * c.num_kv_heads * c.head_dim * itemsize
     return depth * (cache_bytes(nnx.state(draft.block)) + rows * c.hidden_size * itemsize + kv)
-
-
-def with_candidates(draft, vocabulary: str):
-    """The draft proposing from --candidate-tokens' entry: "all", or N (the first N token ids: a cut's
-    cost does not depend on which tokens it keeps)."""
-    if vocabulary == "all":
-        return draft.with_candidate_tokens(None)
-    if not vocabulary.isdigit() or int(vocabulary) < 1:
-        raise SystemExit(f"--candidate-tokens: {vocabulary!r} is neither all nor a positive count")
-    return draft.with_candidate_tokens(np.arange(min(int(vocabulary), draft.target_config.vocab_size)))
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -241,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             ar_ms = float("nan")
             for vocabulary in args.candidate_tokens.split(","):
                 row = Row(shape, context, vocabulary)
-                cut = with_candidates(draft, vocabulary)
+                cut = with_vocabulary(draft, vocabulary)
                 row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
                 row.draft_floor_ms = 1e3 * draft_round_bytes(model, cut, context, args.batch, len(widths)) / bandwidth
                 try:

@@ -21,7 +21,7 @@ def test_draft_floor_reads_block_head_and_last_layer_cache_each_step():
 
 
 def test_a_cut_draft_reads_only_its_candidates_rows_of_the_head():
-    from benchmarks.bench_speculative import with_candidates
+    from benchmarks.decode_kernels import with_vocabulary as with_candidates
 
     target = random_target(SHAPES["tiny"], dtype="float32")
     model, draft = target.decode_model(), init_draft(target, seed=1)
