@@ -8,6 +8,9 @@ XLA's command-buffer logging on and counts, per decode call, the graphs created,
 node updates and the nodes found unchanged:
 
     python -m benchmarks.command_buffer_log --mode longspec --tree-widths 4,4,4
+    python -m benchmarks.command_buffer_log --mode auto --temperature 1 --new-tokens 128 \
+        --target SmolLM2-135M-Instruct.Q4_1.gguf --draft longspec_jax/drafts/smollm2_135m \
+        --prompts infer/eval_sets/smollm2/code_completion.jsonl --prompt-index 2
 
 A steady loop replays about one command buffer per round and updates nothing after its first calls.
 """
@@ -15,10 +18,12 @@ A steady loop replays about one command buffer per round and updates nothing aft
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from infer.generate import parse_tree_widths
 
@@ -43,12 +48,12 @@ def summarise(log: str) -> list[dict]:
     for line in log.splitlines():
         if line.startswith(MARK):
             fields = line[len(MARK) :].split()
-            if fields[-2:-1] == ["rounds"]:  # the call's end: "<label> rounds N"
-                current["rounds"] = int(fields[-1])
+            if fields[-6:-5] == ["rounds"]:  # the call's end: "<label> rounds N runs R ms X"
+                current |= {"rounds": int(fields[-5]), "runs": int(fields[-3]), "decode ms": float(fields[-1])}
                 calls.append(current)
                 current = None
             else:
-                current = {"call": " ".join(fields), "rounds": None} | dict.fromkeys(EVENTS, 0) | {"update ms": 0.0}
+                current = {"call": " ".join(fields)} | dict.fromkeys(EVENTS, 0) | {"update ms": 0.0}
             continue
         if current is not None:
             for event, text in EVENTS.items():
@@ -59,18 +64,39 @@ def summarise(log: str) -> list[dict]:
     return calls
 
 
-def child(mode: str, widths, prompt_tokens: int, new_tokens: int, calls: int) -> None:
+def child(args) -> None:
     from benchmarks.decode_kernels import setup
+    from longspec_jax.draft_io import inference_draft
     from longspec_jax.generation import Generator
 
-    target, draft, prompt = setup(small=False, prompt_tokens=prompt_tokens, random_weights=True)
+    mode, widths, new_tokens, calls, temperature = (
+        args.mode,
+        parse_tree_widths(args.tree_widths),
+        args.new_tokens,
+        args.calls,
+        args.temperature,
+    )
+    if args.target is None:
+        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights=True)
+    else:  # real weights: the target's own draft unless --draft, the prompt from --prompts or examples/doc.txt
+        target, _, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, target_path=args.target)
+        draft = inference_draft(target, args.draft)
+    if args.prompts is not None:
+        rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
+        prompt = rows[args.prompt_index]["prompt_ids"]
     draft = None if mode == "ar" else draft
     generator = Generator(target, draft, mode=mode, tree_widths=widths)
     for call in range(calls):
         label = f"{mode} {call}"
         print(f"{MARK} {label}", file=sys.stderr, flush=True)
-        result = generator.generate(prompt, max_new_tokens=new_tokens, eos_token_ids=())
-        print(f"{MARK} {label} rounds {result.stats.rounds}", file=sys.stderr, flush=True)
+        result = generator.generate(prompt, max_new_tokens=new_tokens, eos_token_ids=(), temperature=temperature)
+        stats = result.stats
+        runs = stats.policy.get("candidate_runs", 1)
+        print(
+            f"{MARK} {label} rounds {stats.rounds} runs {runs} ms {stats.decode_s * 1e3:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv=None) -> list[dict]:
@@ -80,11 +106,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-tokens", type=int, default=2500)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--target", help="a .gguf or HF directory (default: SmolLM2's shape, random weights)")
+    parser.add_argument("--draft", help="the draft for --target (default: the one shipped for it)")
+    parser.add_argument(
+        "--prompts", type=Path, help="an eval set's .jsonl (infer.build_eval_sets): decode one of its prompts"
+    )
+    parser.add_argument("--prompt-index", type=int, default=0, help="which prompt of --prompts")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    widths = parse_tree_widths(args.tree_widths)
     if args.child:
-        child(args.mode, widths, args.prompt_tokens, args.new_tokens, args.calls)
+        child(args)
         return []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=",".join(f"{m}=3" for m in LOGGING_MODULES))
     done = subprocess.run(
@@ -97,10 +129,17 @@ def main(argv=None) -> list[dict]:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise SystemExit(f"the decode failed:\n{tail}")
     calls = summarise(done.stderr)
-    print(f"{'call':>14} {'rounds':>6} " + " ".join(f"{e:>15}" for e in EVENTS) + f" {'update ms':>9}")
+    print(
+        f"{'call':>14} {'rounds':>6} {'runs':>5} "
+        + " ".join(f"{e:>15}" for e in EVENTS)
+        + f" {'update ms':>9} {'decode ms':>9} {'ms/round':>8}"
+    )
     for c in calls:
         counts = " ".join(f"{c[e]:>15}" for e in EVENTS)
-        print(f"{c['call']:>14} {c['rounds']:>6} {counts} {c['update ms']:9.2f}")
+        print(
+            f"{c['call']:>14} {c['rounds']:>6} {c['runs']:>5} {counts} {c['update ms']:9.2f} "
+            f"{c['decode ms']:9.2f} {c['decode ms'] / max(c['rounds'], 1):8.3f}"
+        )
     return calls
 
 

@@ -116,8 +116,9 @@ class Adaptive:
 
 
 def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, widths) of the candidates for a request: always AR and a prompt-lookup chain, a draft
-    tree when there is a draft. At batch 1 greedy decoding affords a deep tree and a long chain.
+    """(name, widths) of the candidates for a request: always AR, a draft tree when there is a draft,
+    and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). At batch 1
+    greedy decoding affords a deep tree and a long chain.
     From LARGE_BATCH sequences on, the smallest: a one-token chain and a two-node tree. Measured on
     the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at 1.05-1.69x AR (a one-token
     chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
@@ -133,12 +134,17 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     estimate firms up faster (it runs every round), and mode auto ran at 0.96x / 1.05x AR where the
     tree alone ran 1.22x / 1.13x (2026-12-03). At batch 4 and 8 a coupled (2, 2) tree beside the
     drawn token made auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so
-    large batches keep the drawn token only. The prompt-lookup chain is short. Each candidate is
-    one more branch to compile, so few."""
+    large batches keep the drawn token only. The prompt-lookup chain is short, and at T > 0 below
+    LARGE_BATCH it is left out beside the coupled tree: there it kept 1.0-1.55 tokens a round for
+    1.25 AR steps (AR's rate), and its trials took 6-32 of a request's 64 rounds from the tree
+    (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
+    Each candidate is one more branch to compile, so few."""
     if greedy:
         chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:
         chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else ((2,), [COUPLED_TREE])
+        if has_draft and batch < LARGE_BATCH:
+            chains = ()
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]

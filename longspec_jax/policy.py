@@ -24,8 +24,14 @@ less often; at most MAX_WAIT rounds). Every candidate starts due, so each one th
 tried in the first rounds whatever its prior: a tree whose prior rate is
 below AR's would otherwise wait its first retry out on AR even where it keeps six tokens a round.
 Every retry that does not make it the best doubles its wait,
-so a draft that never pays costs at most a round in MAX_WAIT, and one that starts paying again is
-found within that many rounds. All of it is
+so a draft that never pays costs at most a round in MAX_WAIT (MIN_SAMPLED_RUN rounds when sampling),
+and one that starts paying again is found within that many rounds. When sampling, a candidate other
+than AR, once picked, runs MIN_SAMPLED_RUN rounds before it is judged again: judged after every
+round, a trial ended at its first unlucky round, so a tree that keeps 2.4 tokens a round where 1.7
+break even, retried one round at a time, could lose every retry and leave a request to AR (seen at
+T = 1 on the H200: 126 AR-bound rounds where the tree alone took 52). A trial whose first
+HOPELESS_AFTER rounds kept nothing the target did not pick itself (one token a round) ends there: a
+draft that is never right costs three rounds a retry, not eight. All of it is
 arrays in the loop's carry, updated by every round and read by `choose` on the device: the host
 takes no part in the choice (decode_loop.decode).
 
@@ -44,6 +50,8 @@ SAMPLED_EMA_WEIGHT = 1 / 64  # ... when sampling (what a round keeps is luck; wh
 SAMPLED_BONUS = 0.75  # when sampling, tokens added to an estimate of n rounds, over sqrt(n): 1.5 rounds' spread
 FIRST_WAIT = 8  # rounds before a losing candidate is first retried
 MAX_WAIT = 256  # ... and at most this many after repeated losses
+MIN_SAMPLED_RUN = 8  # when sampling, rounds a picked candidate other than AR runs before it is judged again
+HOPELESS_AFTER = 3  # ... unless its first this many rounds kept no token beyond the target's own
 AR = 0  # candidate 0 is always the plain target step
 
 
@@ -54,7 +62,9 @@ class PolicyState:
     prior counts as one, a remembered estimate as the rounds behind it); since_used rounds since it last ran;
     wait the rounds a non-best candidate waits before its next retry; rounds / emitted the
     rounds each ran and the tokens they kept (summed over the batch), and candidate_runs
-    (int32[]) the runs of one candidate's rounds the loop made (decode_loop.decode), for the stats."""
+    (int32[]) the runs of one candidate's rounds the loop made (decode_loop.decode), for the stats;
+    last (int32[]) the candidate of the latest round (-1 before any), streak (int32[]) the rounds
+    it has run in a row and run_kept (float32[]) the tokens a sequence kept in them (0 for AR)."""
 
     seconds_per_round: jax.Array
     tokens_per_round: jax.Array
@@ -66,6 +76,9 @@ class PolicyState:
     emitted: jax.Array
     active: jax.Array
     candidate_runs: jax.Array
+    last: jax.Array
+    streak: jax.Array
+    run_kept: jax.Array
 
 
 def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None) -> PolicyState:
@@ -90,6 +103,9 @@ def init_policy(seconds_per_round, prior_tokens_per_round=None, max_tokens=None)
         emitted=zeros,
         active=zeros,
         candidate_runs=jnp.zeros((), jnp.int32),
+        last=jnp.full((), -1, jnp.int32),
+        streak=jnp.zeros((), jnp.int32),
+        run_kept=jnp.zeros((), jnp.float32),
     )
 
 
@@ -165,7 +181,9 @@ def choose(policy: PolicyState, sampled=False):
     """The candidate for the next round: the best by expected rate, unless another one has waited
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
-    74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`."""
+    74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`;
+    then a candidate other than AR that ran fewer than MIN_SAMPLED_RUN rounds in a row runs on,
+    unless its first HOPELESS_AFTER rounds kept one token each."""
     rates = expected_rates(policy, sampled)
     best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
@@ -173,7 +191,10 @@ def choose(policy: PolicyState, sampled=False):
     candidates = jnp.arange(policy.since_used.shape[0])
     overdue = jnp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = first_max(overdue)
-    return jnp.where(overdue[retry] >= 0, retry, best).astype(jnp.int32)
+    pick = jnp.where(overdue[retry] >= 0, retry, best)
+    hopeless = (policy.streak >= HOPELESS_AFTER) & (policy.run_kept <= policy.streak)
+    on_trial = sampled & (policy.last > AR) & (policy.streak < MIN_SAMPLED_RUN) & ~hopeless
+    return jnp.where(on_trial, policy.last, pick).astype(jnp.int32)
 
 
 def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
@@ -199,7 +220,7 @@ def record_ar_rounds(
     """`record` of `rounds` (int32[]) AR rounds in a row that kept `kept` tokens while `active`
     sequences ran, in all (int32[] each): the same state as recording them one by one (AR's
     estimate is fixed, so only the clocks and counters move)."""
-    policy = _advance_clocks(policy, jnp.int32(AR), rounds, sampled)
+    policy = _advance_clocks(policy, jnp.int32(AR), rounds, sampled).replace(run_kept=jnp.zeros((), jnp.float32))
     return count_rounds(policy, jnp.int32(AR), rounds, kept, active)
 
 
@@ -216,19 +237,22 @@ def count_rounds(policy: PolicyState, chosen, rounds, kept, active) -> PolicySta
 
 
 def _advance_clocks(policy: PolicyState, chosen, rounds, sampled) -> PolicyState:
-    """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits and
-    rounds since each candidate ran. A round of a candidate that is not the best (a retry) doubles
-    its wait; the best's wait resets."""
+    """`rounds` rounds of candidate `chosen` with its estimate already updated: retry waits, rounds
+    since each candidate ran, and the current run. A run of a candidate that is not the best after
+    its first round (a retry that lost) doubles its wait once; the best's wait resets."""
     k = policy.since_used.shape[0]
     is_chosen = jnp.arange(k) == chosen
     ran = rounds > 0
     best = first_max(expected_rates(policy, sampled))
-    doubled = jnp.minimum(policy.wait * (1 << jnp.minimum(rounds, 8)), MAX_WAIT)
-    wait = jnp.where(is_chosen & (chosen != best) & ran, doubled, policy.wait)
+    new_run = policy.last != chosen
+    doubled = jnp.minimum(policy.wait * 2, MAX_WAIT)
+    wait = jnp.where(is_chosen & (chosen != best) & ran & new_run, doubled, policy.wait)
     wait = jnp.where((jnp.arange(k) == best) & ran, FIRST_WAIT, wait)
     return policy.replace(
         since_used=jnp.where(is_chosen, jnp.where(ran, 0, policy.since_used), policy.since_used + rounds),
         wait=wait,
+        last=jnp.where(ran, chosen, policy.last).astype(jnp.int32),
+        streak=jnp.where(ran, jnp.where(new_run, 0, policy.streak) + rounds, policy.streak).astype(jnp.int32),
     )
 
 
@@ -274,6 +298,11 @@ def record(
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     # The evidence is overwritten once the estimate has read it: in place, not after a copy.
     estimate, evidence = jax.lax.optimization_barrier((estimate, policy.evidence))
-    policy = policy.replace(tokens_per_round=estimate, evidence=evidence + ran.astype(jnp.float32))
+    run_kept = jnp.where(policy.last == chosen, policy.run_kept, 0.0) + per_sequence
+    policy = policy.replace(
+        tokens_per_round=estimate,
+        evidence=evidence + ran.astype(jnp.float32),
+        run_kept=jnp.where(chosen == AR, 0.0, run_kept).astype(jnp.float32),
+    )
     policy = _advance_clocks(policy, chosen, jnp.int32(1), sampled)
     return count_rounds(policy, chosen, jnp.int32(1), kept, active) if counted else policy

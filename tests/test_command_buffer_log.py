@@ -9,14 +9,14 @@ I1202 23:35:00.41 531 cuda_command_buffer.cc:132] Create new CUDA graph
 I1202 23:35:00.49 531 cuda_command_buffer.cc:132] Create new CUDA graph
 I1202 23:35:00.51 531 cuda_command_buffer.cc:973] Launch command buffer executable graph 0x1c57fc80 on a stream: 0x1
 I1202 23:35:00.52 531 cuda_command_buffer.cc:973] Launch command buffer executable graph 0x1c57fc80 on a stream: 0x1
-=== decode call longspec 0 rounds 2
+=== decode call longspec 0 rounds 2 runs 1 ms 3.25
 === decode call longspec 1
 I1202 23:35:05.50 531 command_executor.cc:654] Skip updating command loop_add_fusion grid: [384, 1, 1]
 I1202 23:35:05.50 531 cuda_command_buffer.cc:612] Set kernel node params 0x2 in graph executable 0x3; kernel: x
 I1202 23:35:05.50 531 cuda_command_buffer.cc:612] Set kernel node params 0x4 in graph executable 0x3; kernel: y
 I1202 23:35:05.51 531 command_executor.cc:669] Updated 3 commands in 168 \u03bcs (skipped 1 command updates)
 I1202 23:35:05.51 531 cuda_command_buffer.cc:973] Launch command buffer executable graph 0x1d2c1230 on a stream: 0x1
-=== decode call longspec 1 rounds 1
+=== decode call longspec 1 rounds 1 runs 1 ms 1.50
 I1202 23:35:05.60 531 cuda_command_buffer.cc:973] Launch command buffer executable graph 0x1d2c1230 on a stream: 0x1
 """
 
@@ -26,6 +26,8 @@ def test_events_are_counted_per_call_and_nothing_outside_the_calls():
     assert first == {
         "call": "longspec 0",
         "rounds": 2,
+        "runs": 1,
+        "decode ms": 3.25,
         "graphs created": 1,
         "replays": 2,
         "nodes updated": 0,
