@@ -13,6 +13,8 @@ Needs the CUDA plugin wheels of the installed jax (no GPU, no driver):
     pip install "jax-cuda13-plugin==$(python -c 'import jax; print(jax.__version__)')" \\
                 "jax-cuda13-pjrt==$(python -c 'import jax; print(jax.__version__)')"
     JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --hlo-out /tmp/hlo --by-op 20
+    JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --modes auto,longspec --tree-widths 4,4,4 \\
+        --temperature 1 --loops
 
 SmolLM2-135M's shape with random weights by default (a program's kernels do not depend on the
 weights); a 4,500-token prompt and 256 new tokens size the cache as `Generator` would.
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
+from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op, while_loops
 from infer.generate import parse_tree_widths
 from longspec_jax.adaptive import adaptive_proposer, candidate_plan
 from longspec_jax.decode_kit import StopRule, plan_lengths
@@ -140,6 +142,9 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
     parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")
     parser.add_argument(
+        "--loops", action="store_true", help="also print every while loop's kernels (mode auto: one per candidate)"
+    )
+    parser.add_argument(
         "--fused-projections", action="store_true", help="each layer's projections as fused Pallas kernels"
     )
     args = parser.parse_args(argv)
@@ -172,6 +177,9 @@ def main(argv=None) -> dict[str, int]:
         )
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")
+        if args.loops:
+            for body, condition_kernels, body_kernels in while_loops(text):
+                print(f"  loop {body}: {condition_kernels} kernels a condition, {body_kernels} an iteration")
         for op, n in loop_body_kernels_by_op(text).most_common(args.by_op):
             print(f"  {n:4d}  {op}")
         if args.hlo_out is not None:

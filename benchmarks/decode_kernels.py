@@ -127,6 +127,21 @@ def loop_body_kernels(text: str) -> int:
     return len(_loop_body_launches(text))
 
 
+def while_loops(text: str) -> list[tuple[str, int, int]]:
+    """Every while loop of an optimised HLO module, nested ones included: (body computation name,
+    kernels its condition launches, kernels one iteration of its body launches), in the module's
+    order. Mode auto's loop holds one inner loop per candidate; each runs that candidate's rounds."""
+    computations = hlo_computations(text)
+    loops = []
+    for lines in computations.values():
+        for line in lines:
+            found = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+            if found:
+                condition, body = found.groups()
+                loops.append((body, len(_launches_in(condition, computations)), len(_launches_in(body, computations))))
+    return loops
+
+
 def loop_body_kernels_by_op(text: str) -> collections.Counter:
     """`loop_body_kernels` split by the JAX operation each kernel comes from (the op_name of its
     metadata without the jit / while nesting, e.g. "dot_general", "jit(log_softmax)/reduce_max";

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import count_kernels
-from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels
+from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels, while_loops
 from longspec_jax.adaptive import candidate_plan
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
@@ -32,8 +32,10 @@ def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mode_auto_loop_holds_every_candidate(temperature):
     """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
-    chain, the draft's deep tree; sampling: also a drawn chain, and a smaller tree): more kernels
-    than its largest tree's round alone, whose kernels it holds. The plan follows the temperature."""
+    chain, the draft's deep tree; sampling: AR and a coupled tree): more kernels than its largest
+    tree's round alone, whose kernels it holds, in an inner loop per candidate whose round launches
+    a few more kernels than the tree's own loop (the policy's bookkeeping). The plan follows the
+    temperature."""
     target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
     draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
     cpu = jax.devices("cpu")[0]
@@ -43,9 +45,13 @@ def test_mode_auto_loop_holds_every_candidate(temperature):
     tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths)
     assert " conditional(" in auto and " conditional(" not in tree
     assert loop_body_kernels(auto) > loop_body_kernels(tree)
-    # One branch per candidate of the plan for this temperature (greedy 3, sampling 4 at batch 1).
+    # One branch per candidate of the plan for this temperature (greedy 3, sampling 2 at batch 1).
     branches = re.search(r"branch_computations=\{([^}]*)\}", auto).group(1)
     assert branches.count("%") == len(plan)
+    # The loop of runs holds the most kernels, the tree's loop of rounds the next most.
+    *_, tree_round, _runs = sorted(kernels for _, _, kernels in while_loops(auto))
+    fixed_round = max(kernels for _, _, kernels in while_loops(tree))
+    assert fixed_round <= tree_round <= fixed_round + 12, (tree_round, fixed_round)
 
 
 def test_the_h200_description_names_a_hopper_chip():
