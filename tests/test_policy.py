@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from longspec_jax import policy as policy_module
 from longspec_jax.policy import (
@@ -197,7 +198,8 @@ def test_batch_progress_ignores_sequences_that_are_done():
     assert float(batch_progress(n_new, kept, jnp.zeros(4, bool))) == 0.0
 
 
-def test_ar_rounds_recorded_at_once_equal_round_by_round():
+@pytest.mark.parametrize("sampled", [False, True])
+def test_ar_rounds_recorded_at_once_equal_round_by_round(sampled):
     """From many policy states where AR is picked: the count of AR picks in a row that
     ar_rounds_before_a_retry gives is the one round-by-round choosing makes, and record_ar_rounds
     leaves the state that recording each of those rounds does."""
@@ -205,21 +207,21 @@ def test_ar_rounds_recorded_at_once_equal_round_by_round():
 
     rng = np.random.default_rng(0)
     checked = 0
-    for trial in range(120):
+    for trial in range(300 if sampled else 120):  # AR is picked less often when sampling (the bonus)
         k = int(rng.integers(2, 5))
         policy = init_policy(rng.uniform(0.5, 3.0, k), rng.uniform(1.0, 4.0, k), rng.integers(2, 8, k).astype(float))
         for _ in range(int(rng.integers(0, 40))):  # some history: evidence, waits, clocks
-            c = choose(policy)
-            policy = record(policy, c, jnp.int32(int(rng.choice([1, 1, 1, 2, 4]))), jnp.int32(1))
-        if int(choose(policy)) != AR:
+            c = choose(policy, sampled=sampled)
+            policy = record(policy, c, jnp.int32(int(rng.choice([1, 1, 1, 2, 4]))), jnp.int32(1), sampled=sampled)
+        if int(choose(policy, sampled=sampled)) != AR:
             continue
-        n = int(ar_rounds_before_a_retry(policy))
+        n = int(ar_rounds_before_a_retry(policy, sampled))
         step, picks = policy, 0
-        while int(choose(step)) == AR and picks < 3 * MAX_WAIT:
-            step = record(step, jnp.int32(AR), jnp.int32(2), jnp.int32(2))  # a batch of 2
+        while int(choose(step, sampled=sampled)) == AR and picks < 3 * MAX_WAIT:
+            step = record(step, jnp.int32(AR), jnp.int32(2), jnp.int32(2), sampled=sampled)  # a batch of 2
             picks += 1
         assert picks == min(n, 3 * MAX_WAIT), (trial, picks, n)
-        at_once = record_ar_rounds(policy, jnp.int32(picks), jnp.int32(2 * picks), jnp.int32(2 * picks))
+        at_once = record_ar_rounds(policy, jnp.int32(picks), jnp.int32(2 * picks), jnp.int32(2 * picks), sampled)
         for field in (
             "since_used",
             "wait",
