@@ -168,7 +168,7 @@ def run_benchmark(
     finished = {(r["id"], r["mode"], r["temperature"]) for r in done}
     ar_digest = {(r["id"], r["temperature"]): r["tokens_sha1"] for r in done if r["mode"] == "ar"}
     runs = []
-    for item in _batched(items, batch_sizes, log):
+    for index, item in enumerate(_batched(items, batch_sizes, log)):
         if item["prompt_len"] + max_new_tokens > window:
             log(
                 f"skipping {item['id']}: {item['prompt_len']} + {max_new_tokens} new tokens "
@@ -192,9 +192,13 @@ def run_benchmark(
                 except UserError as e:
                     failed[mode] = e
                     del timed[mode]
-            # The repeats go round the modes, so a machine's slow minutes fall on every mode alike.
+            # The repeats go round the modes, so a machine's slow minutes fall on every mode alike,
+            # and each prompt starts the round with another mode, so no mode always runs right after
+            # the same other one (a GPU's state after one mode's requests can favour or slow the next).
             for _ in range(repeats):
-                for mode in list(timed):
+                for mode in mode_order(list(timed), index):
+                    if mode not in timed:  # failed earlier in this round
+                        continue
                     try:
                         timed[mode].append(generators[mode].generate(item["prompt_ids"], profile=profile, **kwargs))
                     except UserError as e:
@@ -244,6 +248,17 @@ def run_benchmark(
                     f"{stats.tokens_per_s:.1f} tok/s, {stats.new_tokens} tokens"
                 )
     return {"runs": runs, "skipped_modes": skipped}
+
+
+def mode_order(modes: list[str], index: int) -> list[str]:
+    """The order prompt number `index` times its modes in: rotated to start at mode index % n, and
+    reversed in every other cycle of n prompts, so that over 2n prompts each mode runs right after
+    each other one."""
+    if not modes:
+        return []
+    k = index % len(modes)
+    order = modes[k:] + modes[:k]
+    return order[::-1] if (index // len(modes)) % 2 else order
 
 
 def _warm_up(generator, prompt_ids, kwargs) -> None:

@@ -194,6 +194,18 @@ def _tiny_eval_sets(folder, prompts_per_task: int) -> None:
     build_eval_sets.write_eval_sets(folder, sets, tok, spec, "char")
 
 
+def test_prompts_time_their_modes_in_changing_orders():
+    modes = ["ar", "auto", "longspec:4-4-4"]
+    orders = [benchmark.mode_order(modes, i) for i in range(6)]
+    assert orders[0] == modes and orders[1] == ["auto", "longspec:4-4-4", "ar"]
+    assert orders[3] == modes[::-1]  # the second cycle runs the other way round
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    # Over twice as many prompts as modes, every mode runs right after every other one.
+    after = {(o[i - 1], o[i]) for o in orders for i in range(1, 3)}
+    assert after == {(a, b) for a in modes for b in modes if a != b}
+    assert benchmark.mode_order([], 5) == [] and benchmark.mode_order(["ar"], 3) == ["ar"]
+
+
 def test_benchmark_smoke_on_tiny_target(tmp_path, capsys):
     from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
