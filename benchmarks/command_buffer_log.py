@@ -18,7 +18,6 @@ A steady loop replays about one command buffer per round and updates nothing aft
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -65,32 +64,25 @@ def summarise(log: str) -> list[dict]:
 
 
 def child(args) -> None:
-    from benchmarks.decode_kernels import setup
+    from benchmarks.decode_kernels import eval_prompt, setup
     from longspec_jax.draft_io import inference_draft
     from longspec_jax.generation import Generator
 
-    mode, widths, new_tokens, calls, temperature = (
-        args.mode,
-        parse_tree_widths(args.tree_widths),
-        args.new_tokens,
-        args.calls,
-        args.temperature,
-    )
     if args.target is None:
         target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights=True)
     else:  # real weights: the target's own draft unless --draft, the prompt from --prompts or examples/doc.txt
         target, _, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, target_path=args.target)
         draft = inference_draft(target, args.draft)
     if args.prompts is not None:
-        rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-        prompt = rows[args.prompt_index]["prompt_ids"]
-    draft = None if mode == "ar" else draft
-    generator = Generator(target, draft, mode=mode, tree_widths=widths)
-    for call in range(calls):
-        label = f"{mode} {call}"
+        prompt = eval_prompt(args.prompts, args.prompt_index)
+    draft = None if args.mode == "ar" else draft
+    generator = Generator(target, draft, mode=args.mode, tree_widths=parse_tree_widths(args.tree_widths))
+    for call in range(args.calls):
+        label = f"{args.mode} {call}"
         print(f"{MARK} {label}", file=sys.stderr, flush=True)
-        result = generator.generate(prompt, max_new_tokens=new_tokens, eos_token_ids=(), temperature=temperature)
-        stats = result.stats
+        stats = generator.generate(
+            prompt, max_new_tokens=args.new_tokens, eos_token_ids=(), temperature=args.temperature
+        ).stats
         runs = stats.policy.get("candidate_runs", 1)
         print(
             f"{MARK} {label} rounds {stats.rounds} runs {runs} ms {stats.decode_s * 1e3:.2f}",

@@ -113,12 +113,18 @@ def _launches_in(name: str, computations: dict[str, list[str]]) -> list[str]:
     return lines
 
 
+def _while_ops(computations: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(condition, body) computation names of every while op, in the module's order."""
+    found = (re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line) for c in computations.values() for line in c)
+    return [m.groups() for m in found if m]
+
+
 def _loop_body_launches(text: str) -> list[str]:
     computations = hlo_computations(text)
-    bodies = [b for lines in computations.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)]
-    if not bodies:
+    loops = _while_ops(computations)
+    if not loops:
         raise ValueError("no while loop in this program")
-    return max((_launches_in(b, computations) for b in bodies), key=len)
+    return max((_launches_in(body, computations) for _, body in loops), key=len)
 
 
 def loop_body_kernels(text: str) -> int:
@@ -132,14 +138,10 @@ def while_loops(text: str) -> list[tuple[str, int, int]]:
     kernels its condition launches, kernels one iteration of its body launches), in the module's
     order. Mode auto's loop holds one inner loop per candidate; each runs that candidate's rounds."""
     computations = hlo_computations(text)
-    loops = []
-    for lines in computations.values():
-        for line in lines:
-            found = re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
-            if found:
-                condition, body = found.groups()
-                loops.append((body, len(_launches_in(condition, computations)), len(_launches_in(body, computations))))
-    return loops
+    return [
+        (body, len(_launches_in(condition, computations)), len(_launches_in(body, computations)))
+        for condition, body in _while_ops(computations)
+    ]
 
 
 def loop_body_kernels_by_op(text: str) -> collections.Counter:
@@ -264,6 +266,12 @@ def setup(small: bool, prompt_tokens: int, target_path: str | None = None, rando
     ids = list(target.tokenizer.encode(DOC.read_text()))
     prompt = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
     return target, inference_draft(target), prompt
+
+
+def eval_prompt(path: Path, index: int) -> list[int]:
+    """The token ids of prompt number `index` of an eval set's .jsonl (infer.build_eval_sets)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows[index]["prompt_ids"]
 
 
 def with_vocabulary(draft, vocabulary: str):

@@ -52,13 +52,13 @@ def main(argv=None) -> None:
     os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
     import jax
 
+    from benchmarks.decode_kernels import eval_prompt
     from infer.benchmark import parse_mode_spec
     from longspec_jax.draft_io import inference_draft
     from longspec_jax.generation import Generator
     from longspec_jax.target import load_target
 
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    prompt = rows[args.prompt_index]["prompt_ids"]
+    prompt = eval_prompt(args.prompts, args.prompt_index)
     target = load_target(args.target, dtype="bfloat16")
     draft = inference_draft(target, args.draft)
     for spec in args.modes.split(","):

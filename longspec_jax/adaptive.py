@@ -142,9 +142,7 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     if greedy:
         chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
     else:
-        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else ((2,), [COUPLED_TREE])
-        if has_draft and batch < LARGE_BATCH:
-            chains = ()
+        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [("tree " + ",".join(map(str, w)), w) for w in trees]
