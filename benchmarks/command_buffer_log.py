@@ -11,8 +11,11 @@ node updates and the nodes found unchanged:
     python -m benchmarks.command_buffer_log --mode auto --temperature 1 --new-tokens 128 \
         --target SmolLM2-135M-Instruct.Q4_1.gguf --draft longspec_jax/drafts/smollm2_135m \
         --prompts infer/eval_sets/smollm2/code_completion.jsonl --prompt-index 2
+    python -m benchmarks.command_buffer_log --mode auto --calls 8 --target ... \
+        --prompts infer/eval_sets/smollm2/code_completion.jsonl --prompt-index 0,1,2,3
 
-A steady loop replays about one command buffer per round and updates nothing after its first calls.
+A steady loop replays about one command buffer per round and updates nothing after its first calls
+on one prompt. With several prompt indices the calls take them in turn, as a server's requests do.
 """
 
 from __future__ import annotations
@@ -73,15 +76,15 @@ def child(args) -> None:
     else:  # real weights: the target's own draft unless --draft, the prompt from --prompts or examples/doc.txt
         target, _, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, target_path=args.target)
         draft = inference_draft(target, args.draft)
-    if args.prompts is not None:
-        prompt = eval_prompt(args.prompts, args.prompt_index)
+    prompts = [prompt] if args.prompts is None else [eval_prompt(args.prompts, i) for i in args.prompt_index]
     draft = None if args.mode == "ar" else draft
     generator = Generator(target, draft, mode=args.mode, tree_widths=parse_tree_widths(args.tree_widths))
     for call in range(args.calls):
-        label = f"{args.mode} {call}"
+        which = call % len(prompts)
+        label = f"{args.mode} {call}" + (f" p{args.prompt_index[which]}" if args.prompts is not None else "")
         print(f"{MARK} {label}", file=sys.stderr, flush=True)
         stats = generator.generate(
-            prompt, max_new_tokens=args.new_tokens, eos_token_ids=(), temperature=args.temperature
+            prompts[which], max_new_tokens=args.new_tokens, eos_token_ids=(), temperature=args.temperature
         ).stats
         runs = stats.policy.get("candidate_runs", 1)
         print(
@@ -104,7 +107,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--prompts", type=Path, help="an eval set's .jsonl (infer.build_eval_sets): decode one of its prompts"
     )
-    parser.add_argument("--prompt-index", type=int, default=0, help="which prompt of --prompts")
+    parser.add_argument(
+        "--prompt-index",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=[0],
+        help="which prompt of --prompts; several (e.g. 0,1,2) are decoded in turn, one a call",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

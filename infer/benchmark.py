@@ -12,8 +12,10 @@ batch is left out). Mode "auto" is the adaptive engine (AR, prompt lookup and th
 chosen each round); its round costs are calibrated during the warm-up. Compilation is
 timed apart from prefill and decode (stats.compile_s); with --repeats N each run is made N times and
 the one of median decode time kept (all N times are recorded), and the first run of a (mode, cache size,
-temperature, batch) is a warm-up that is not counted (for "auto", as many as it takes to time every
-candidate, WARM_UP_REQUESTS at most), so timings hold neither compilation nor first-run costs.
+temperature, batch) is a warm-up that is not counted: `--warm-up N` requests (default: GPU_WARM_UP
+on a GPU, whose runtime builds the loop's command buffers over a process's first calls of it, 1
+elsewhere), and for "auto" more while a request still times candidates (WARM_UP_REQUESTS at most),
+so timings hold neither compilation nor first-run costs.
 tokens/s of a group = its new tokens / its decode seconds; speedup = that over AR's in the same
 task and temperature. At T = 0 each speculative run is also checked to give exactly AR's tokens
 (lossless decoding). A mode may carry its own tree (`longspec:8-8-8`, `pld:1`: reported under
@@ -39,6 +41,11 @@ from longspec_jax.errors import UserError
 
 TASKS = ("code_completion", "summarisation", "prefill_length")
 WARM_UP_REQUESTS = 3
+# Warm-up requests per mode and decode shape on a GPU. There XLA records the loop's command buffers
+# (CUDA graphs) over a process's first calls of a program: on the H200 (SmolLM2, 2026-12-04) each of
+# the first five calls of a decode loop created 60-110 graphs, at a cost of up to ~0.7 ms each inside
+# the call, and later calls none (benchmarks.command_buffer_log).
+GPU_WARM_UP = 6
 
 
 def load_eval_sets(eval_dir: str | Path, tasks=TASKS, limit: int | None = None) -> tuple[dict, list[dict]]:
@@ -123,6 +130,7 @@ def run_benchmark(
     batch_sizes=(1,),
     ignore_eos: bool = False,
     repeats: int = 1,
+    warm_up: int = 1,
 ) -> dict:
     """Run every item in every mode and temperature. -> {"runs": [...], "skipped_modes": {mode: why}}.
     on_run(run_record) is called as each run finishes. `done`: records of an earlier, interrupted
@@ -187,7 +195,7 @@ def run_benchmark(
             for mode in list(timed):
                 try:
                     if (mode, *shape) not in warmed:
-                        _warm_up(generators[mode], item["prompt_ids"], kwargs)
+                        _warm_up(generators[mode], item["prompt_ids"], kwargs, warm_up)
                         warmed.add((mode, *shape))
                 except UserError as e:
                     failed[mode] = e
@@ -261,13 +269,14 @@ def mode_order(modes: list[str], index: int) -> list[str]:
     return order[::-1] if (index // len(modes)) % 2 else order
 
 
-def _warm_up(generator, prompt_ids, kwargs) -> None:
-    """Compile a shape's programs, and for mode auto measure its round costs, outside the timed
-    runs: a request that ends before every candidate was timed leaves the rest to the next request
-    (calibration.py), so warm up until a request finds them all kept (WARM_UP_REQUESTS at most)."""
-    for _ in range(WARM_UP_REQUESTS):
+def _warm_up(generator, prompt_ids, kwargs, requests: int = 1) -> None:
+    """Compile a shape's programs, let the runtime build its command buffers (`requests` requests),
+    and for mode auto measure its round costs, outside the timed runs: a request that ends before
+    every candidate was timed leaves the rest to the next request (calibration.py), so warm up until
+    a request finds them all kept (WARM_UP_REQUESTS at most, or `requests` if more)."""
+    for made in range(1, max(requests, WARM_UP_REQUESTS) + 1):
         stats = generator.generate(prompt_ids, **kwargs).stats
-        if (stats.policy or {}).get("calibration", "kept") == "kept":
+        if made >= requests and (stats.policy or {}).get("calibration", "kept") == "kept":
             return
 
 
@@ -430,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time each run this many times and keep the one of median decode time (noisy machines)",
     )
     p.add_argument(
+        "--warm-up",
+        type=int,
+        help=f"untimed requests per mode and decode shape before its timed runs (default: {GPU_WARM_UP} on a "
+        "GPU, where the first calls of a program build its command buffers; 1 elsewhere)",
+    )
+    p.add_argument(
         "--ignore-eos",
         action="store_true",
         help="make every run --max-new-tokens long (sampled batches then do equal work in every mode)",
@@ -463,6 +478,8 @@ def run(args: argparse.Namespace) -> dict:
         raise UserError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.warm_up is not None and args.warm_up < 1:
+        raise UserError(f"--warm-up must be at least 1 (compilation must stay out of the timings), got {args.warm_up}")
     if args.resume and not args.runs_out:
         raise UserError("--resume continues the runs in --runs-out: pass --runs-out FILE too")
     from infer.generate import parse_tree_widths
@@ -480,6 +497,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from longspec_jax import attention
 
+    warm_up = args.warm_up or (GPU_WARM_UP if jax.default_backend() == "gpu" else 1)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     ar_impl = args.ar_attn_impl
     done = _read_runs(args.runs_out) if args.resume and args.runs_out.is_file() else []
@@ -508,6 +526,7 @@ def run(args: argparse.Namespace) -> dict:
             batch_sizes=_csv(args.batch_sizes, int, "--batch-sizes"),
             ignore_eos=args.ignore_eos,
             repeats=args.repeats,
+            warm_up=warm_up,
         )
     finally:
         if runs_out is not None:
@@ -528,6 +547,7 @@ def run(args: argparse.Namespace) -> dict:
             "max_new_tokens": args.max_new_tokens,
             "ignore_eos": args.ignore_eos,
             "repeats": args.repeats,
+            "warm_up": warm_up,
             "limit": args.limit,
             "seed": args.seed,
             "attn_impl": args.attn_impl or attention.default_impl(),

@@ -8,10 +8,10 @@ not once per round, and the host never steps in:
     "pld N"   a prompt-lookup chain of N tokens (free to propose, strong on text that repeats its
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
-Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords deep
-trees; at T > 0 the draft proposes a small tree coupled with the target's picks (acceptance.py),
-or at large batches a token drawn from its distribution; large batches get smaller trees. The choice
-each round is policy.py's.
+Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
+tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a small tree
+coupled with the target's picks (acceptance.py), or at large batches a token drawn from its
+distribution; large batches get smaller trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
@@ -48,6 +48,7 @@ from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (4, 4, 4)  # ... below LARGE_BATCH: a tree coupled with the target's picks
+SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +118,15 @@ class Adaptive:
 
 def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, widths) of the candidates for a request: always AR, a draft tree when there is a draft,
-    and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). At batch 1
-    greedy decoding affords a deep tree and a long chain.
+    and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). Below
+    LARGE_BATCH greedy decoding affords a deep tree and a long chain, and gets a shallow tree too
+    (SHALLOW_TREE): where the draft knows the text less, its deep levels rarely keep anything, and a
+    (4, 4, 4) round costs about 1.7 AR steps where the deep tree's costs 2.3-2.6. On the H200
+    (SmolLM2 and its draft, T = 0, each prompt after six warm-up requests, 2026-12-04) mode auto with it
+    ran at 1.65-1.87x AR on the stdlib code set where the deep tree alone ran 1.78-1.87x,
+    1.53-1.66x on the docs summaries (deep tree 1.40x), 1.88-2.35x on the diverse code set (deep
+    tree 1.28-1.31x) and 1.11-1.21x on the diverse summaries (deep tree 1.12-1.14x; before it,
+    0.97-1.03x there).
     From LARGE_BATCH sequences on, the smallest: a one-token chain and a two-node tree. Measured on
     the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at 1.05-1.69x AR (a one-token
     chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
@@ -140,7 +148,9 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
     Each candidate is one more branch to compile, so few."""
     if greedy:
-        chains, trees = ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS])
+        chains, trees = (
+            ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
+        )
     else:
         chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]

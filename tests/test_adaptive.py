@@ -15,16 +15,26 @@ from flax import nnx, struct
 from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
-from longspec_jax.adaptive import COUPLED_TREE, DRAWN_CHAIN, Adaptive, Candidate, adaptive_proposer, candidate_plan
+from longspec_jax.adaptive import (
+    COUPLED_TREE,
+    DRAWN_CHAIN,
+    SHALLOW_TREE,
+    Adaptive,
+    Candidate,
+    adaptive_proposer,
+    candidate_plan,
+)
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
 from longspec_jax.sampling import SamplingParams, SamplingSettings
+from longspec_jax.tree import DEFAULT_WIDTHS
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
 
 VOCAB = 40
+SHALLOW = "tree " + ",".join(map(str, SHALLOW_TREE))  # greedy batch 1's second tree
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +99,8 @@ def test_plans_fit_sampling_and_batch():
     # At T > 0 the draft's candidate is a small tree coupled with the target's picks, at large
     # batches a token drawn from it.
     trees = lambda plan: sorted(w for n, w in plan.items() if n.startswith("tree"))  # noqa: E731
+    # Greedy at batch 1: the deep default tree and a shallow one for text the draft knows less.
+    assert set(trees(greedy)) == {DEFAULT_WIDTHS, SHALLOW_TREE} and len(SHALLOW_TREE) < len(DEFAULT_WIDTHS)
     assert trees(sampled) == [COUPLED_TREE]
     assert trees(batched_sampled) == [DRAWN_CHAIN]
     assert sum(COUPLED_TREE) < sum(tree(greedy))
@@ -101,7 +113,7 @@ def test_plans_fit_sampling_and_batch():
 
 def test_random_draft_falls_back_to_ar_and_stays_exact(target, draft, monkeypatch, tmp_path):
     monkeypatch.setattr(
-        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, "tree 4,16,16,16,11": 2.0})
+        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, "tree 4,16,16,16,11": 2.0, SHALLOW: 1.6})
     )
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=48, eos_token_ids=())
@@ -373,7 +385,7 @@ def test_when_sampling_a_remembered_loser_wins_its_place_back():
 
 
 def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, draft, monkeypatch):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
     generator = Generator(target, draft)
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=40, eos_token_ids=())
@@ -381,10 +393,11 @@ def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, dr
     second = generator.generate(prompt, max_new_tokens=40, eos_token_ids=())
     assert first.tokens == second.tokens == ar.tokens
     assert first.stats.policy["remembered"] == []
-    assert second.stats.policy["remembered"] == ["pld 10", TREE]
+    assert second.stats.policy["remembered"] == ["pld 10", TREE, SHALLOW]
     before, after = rounds_of(first), rounds_of(second)
-    assert before[TREE] >= 1 and before["pld 10"] >= 1  # tried at the start of the first request
-    assert after[TREE] < before[TREE] and after["pld 10"] < before["pld 10"], (before, after)
+    losers = ("pld 10", TREE, SHALLOW)
+    assert all(before[name] >= 1 for name in losers)  # tried at the start of the first request
+    assert all(after[name] < before[name] for name in losers), (before, after)
     assert after["ar"] > before["ar"]
 
 
@@ -410,23 +423,23 @@ def test_a_remembered_winner_runs_from_the_first_round(target, monkeypatch):
 
 
 def test_memory_is_kept_on_disk_and_keyed_by_the_sampling(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     files = list((tmp_path / "acceptance").glob("*.json"))
     assert len(files) == 1
     entries = json.loads(files[0].read_text())["candidates"]
-    assert set(entries) == {"pld 10", TREE} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
+    assert set(entries) == {"pld 10", TREE, SHALLOW} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
     acceptance_memory.forget_memory()  # what a new process starts with
     again = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
-    assert again.stats.policy["remembered"] == ["pld 10", TREE]
+    assert again.stats.policy["remembered"] == ["pld 10", TREE, SHALLOW]
     monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, COUPLED: 3.0}))
     sampled = generate(target, prompt, draft=draft, max_new_tokens=24, temperature=0.7, eos_token_ids=())
     assert sampled.stats.policy["remembered"] == []  # another kind of request
 
 
 def test_a_damaged_memory_file_is_ignored(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     first = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     (path,) = (tmp_path / "acceptance").glob("*.json")

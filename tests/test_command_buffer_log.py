@@ -41,3 +41,9 @@ def test_events_are_counted_per_call_and_nothing_outside_the_calls():
 
 def test_an_unfinished_call_is_not_reported():
     assert summarise("=== decode call ar 0\nI1 1 x.cc:1] Launch command buffer executable graph 0x1\n") == []
+
+
+def test_a_call_labelled_with_its_prompt_keeps_the_label():
+    log = "=== decode call auto 2 p3\n=== decode call auto 2 p3 rounds 7 runs 2 ms 9.50\n"
+    (call,) = summarise(log)
+    assert call["call"] == "auto 2 p3" and (call["rounds"], call["runs"], call["decode ms"]) == (7, 2, 9.5)

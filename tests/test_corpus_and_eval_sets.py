@@ -481,6 +481,13 @@ def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_
     for r in report["runs"]:  # each timed three times, the median kept
         assert len(r["decode_s_repeats"]) == 3 and r["decode_s"] == sorted(r["decode_s_repeats"])[1]
     assert benchmark.main([*args, "--repeats", "0"]) == 2
+    # --warm-up: the untimed requests per mode and shape (one on this CPU unless asked).
+    assert report["config"]["warm_up"] == 1
+    calls.clear()
+    assert benchmark.main([*args, "--warm-up", "3"]) == 0
+    assert calls == ["ar"] * 3 + ["pld"] * 3 + ["ar", "pld"]
+    assert json.loads(out.read_text())["config"]["warm_up"] == 3
+    assert benchmark.main([*args, "--warm-up", "0"]) == 2
 
 
 def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
@@ -511,3 +518,12 @@ def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
     )
     benchmark._warm_up(fixed, [1], {})
     assert len(fixed_calls) == 1  # a fixed mode has no calibration: one request
+    # On a GPU more: the runtime builds a loop's command buffers over its first calls.
+    benchmark._warm_up(fixed, [1], {}, requests=benchmark.GPU_WARM_UP)
+    assert len(fixed_calls) == 1 + benchmark.GPU_WARM_UP
+    auto, calls = generator(["measured"] + ["kept"] * 9)
+    benchmark._warm_up(auto, [1, 2], {}, requests=4)
+    assert len(calls) == 4  # the requests asked for, the calibration kept by then
+    auto, calls = generator(["measured"] * 4 + ["kept"] * 5)
+    benchmark._warm_up(auto, [1, 2], {}, requests=2)
+    assert len(calls) == benchmark.WARM_UP_REQUESTS  # still measuring: up to WARM_UP_REQUESTS

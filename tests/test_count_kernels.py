@@ -32,7 +32,7 @@ def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mode_auto_loop_holds_every_candidate(temperature):
     """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
-    chain, the draft's deep tree; sampling: AR and a coupled tree): more kernels than its largest
+    chain, the draft's deep and shallow trees; sampling: AR and a coupled tree): more kernels than its largest
     tree's round alone, whose kernels it holds, in an inner loop per candidate whose round launches
     a few more kernels than the tree's own loop (the policy's bookkeeping). The plan follows the
     temperature."""
@@ -45,7 +45,7 @@ def test_mode_auto_loop_holds_every_candidate(temperature):
     tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths)
     assert " conditional(" in auto and " conditional(" not in tree
     assert loop_body_kernels(auto) > loop_body_kernels(tree)
-    # One branch per candidate of the plan for this temperature (greedy 3, sampling 2 at batch 1).
+    # One branch per candidate of the plan for this temperature (greedy 4, sampling 2 at batch 1).
     branches = re.search(r"branch_computations=\{([^}]*)\}", auto).group(1)
     assert branches.count("%") == len(plan)
     # The loop of runs holds the most kernels, the tree's loop of rounds the next most.
