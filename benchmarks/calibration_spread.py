@@ -5,7 +5,9 @@ from a calibration (calibration.py: measured once, on the first request's own ro
 Three measurements in one process, on one prompt:
 
 1. The calibration measured `--times` times (each time forgotten first and nothing kept on disk):
-   every candidate's measurements and their spread.
+   every candidate's measurements and their spread. The first ones fall in the process's first
+   calls, where a GPU's runtime still builds its command buffers, as a product's first request does;
+   a drift from the first measurement to the last says how much that weighs.
 2. Each candidate's round at the margin, run as a fixed mode: decode time at two request lengths in
    one output bucket, over the rounds between them (the slope holds no fixed cost of a request).
 3. AR and the shallow tree after the host idles 0, 50 or 500 ms before the request (a GPU that
@@ -30,6 +32,7 @@ from longspec_jax.adaptive import candidate_plan
 from longspec_jax.generation import Generator
 
 IDLE_GAPS_S = (0.0, 0.05, 0.5)
+WARM_CALLS = 5  # untimed requests before a fixed mode is timed: a GPU builds its graphs over the first calls
 
 
 def fixed_generator(target, draft, name: str, widths: tuple[int, ...]) -> Generator:
@@ -62,7 +65,8 @@ def calibrations(generator: Generator, prompt, times: int, **request) -> list[di
 def marginal_round_ms(generator: Generator, prompt, lengths: tuple[int, int], repeats: int, **request) -> dict:
     """{"round_ms": decode time between the two lengths over the rounds between them, "rounds": the
     rounds at each length, "decode_ms": the median decode ms at each}."""
-    generator.generate(prompt, max_new_tokens=max(lengths), **request)  # compile
+    for _ in range(WARM_CALLS):
+        generator.generate(prompt, max_new_tokens=max(lengths), **request)
     rounds, decode = [], []
     for n in lengths:
         runs = [generator.generate(prompt, max_new_tokens=n, **request).stats for _ in range(repeats)]
@@ -74,7 +78,8 @@ def marginal_round_ms(generator: Generator, prompt, lengths: tuple[int, int], re
 
 def after_idle(generator: Generator, prompt, gaps, repeats: int, **request) -> dict[float, float]:
     """Median decode ms of the request after the host idled each gap (seconds) before it."""
-    generator.generate(prompt, **request)
+    for _ in range(WARM_CALLS):
+        generator.generate(prompt, **request)
     out = {}
     for gap in gaps:
         times = []

@@ -43,8 +43,8 @@ TASKS = ("code_completion", "summarisation", "prefill_length")
 WARM_UP_REQUESTS = 3
 # Warm-up requests per mode and decode shape on a GPU. There XLA records the loop's command buffers
 # (CUDA graphs) over a process's first calls of a program: on the H200 (SmolLM2, 2026-12-04) each of
-# the first five calls of a decode loop created 60-110 graphs, at a cost of up to ~0.7 ms each inside
-# the call, and later calls none (benchmarks.command_buffer_log).
+# the first five decode calls created 60-110 graphs and took up to 8-51 ms longer than the same request
+# later, and later calls created none (benchmarks.command_buffer_log).
 GPU_WARM_UP = 6
 
 
