@@ -11,7 +11,8 @@ also as batches of consecutive prompts of a task (a batch is one run; a remainde
 batch is left out). Mode "auto" is the adaptive engine (AR, prompt lookup and the draft's trees,
 chosen each round); its round costs are calibrated during the warm-up. Compilation is
 timed apart from prefill and decode (stats.compile_s); with --repeats N each run is made N times and
-the one of median decode time kept (all N times are recorded), and the first run of a (mode, cache size,
+the one of median decode time kept (all N times are recorded; mode auto starts each of them from what
+it remembered before the prompt), and the first run of a (mode, cache size,
 temperature, batch) is a warm-up that is not counted: `--warm-up N` requests (default: GPU_WARM_UP
 on a GPU, whose runtime builds the loop's command buffers over a process's first calls of it, 1
 elsewhere), and for "auto" more while a request still times candidates (WARM_UP_REQUESTS at most),
@@ -138,6 +139,7 @@ def run_benchmark(
     modes: mode names, or `parse_mode_spec`'s "MODE:W1-W2-..." for a mode with its own tree.
     tree_widths: a plain "longspec"'s tree (default: the engine's); each record of a mode with a tree
     carries the one used."""
+    from longspec_jax import acceptance_memory
     from longspec_jax.decode_kit import plan_lengths
     from longspec_jax.generation import Generator
     from longspec_jax.proposers import resolve_widths
@@ -203,7 +205,12 @@ def run_benchmark(
             # The repeats go round the modes, so a machine's slow minutes fall on every mode alike,
             # and each prompt starts the round with another mode, so no mode always runs right after
             # the same other one (a GPU's state after one mode's requests can favour or slow the next).
+            # Each repeat starts from what mode auto remembered before this prompt (acceptance_memory):
+            # its second timing of a prompt would otherwise start from what the first kept of the
+            # same text, which a server's next request, another text, does not have.
+            remembered = acceptance_memory.memory_snapshot()
             for _ in range(repeats):
+                acceptance_memory.restore_memory(remembered)
                 for mode in mode_order(list(timed), index):
                     if mode not in timed:  # failed earlier in this round
                         continue

@@ -473,3 +473,15 @@ def test_the_memory_file_is_rewritten_at_most_every_few_seconds(tmp_path):
     acceptance_memory.save_memory("k", entry(5.0), tmp_path, clock=clock)
     acceptance_memory.flush_memory()  # as when the process exits
     assert on_disk() == 5.0
+
+
+def test_a_memory_snapshot_is_a_copy_and_restores_exactly():
+    entry = {"tokens_per_round": 2.5, "rounds": 12, "wait": 8}
+    acceptance_memory.save_memory("kind", {"pld 10": entry}, None)
+    snapshot = acceptance_memory.memory_snapshot()
+    acceptance_memory.save_memory("kind", {"pld 10": {**entry, "rounds": 40}}, None)
+    acceptance_memory.save_memory("other kind", {TREE: entry}, None)
+    assert snapshot == {"kind": {"pld 10": entry}}  # later requests do not reach into it
+    acceptance_memory.restore_memory(snapshot)
+    assert acceptance_memory.load_memory("kind", None) == {"pld 10": entry}
+    assert acceptance_memory.load_memory("other kind", None) == {}

@@ -527,3 +527,38 @@ def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
     auto, calls = generator(["measured"] * 4 + ["kept"] * 5)
     benchmark._warm_up(auto, [1, 2], {}, requests=2)
     assert len(calls) == benchmark.WARM_UP_REQUESTS  # still measuring: up to WARM_UP_REQUESTS
+
+
+def test_each_repeat_of_a_prompt_starts_from_what_mode_auto_remembered_before_it(tmp_path, monkeypatch):
+    import json as json_module
+
+    from longspec_jax import acceptance_memory
+    from longspec_jax.generation import Generator
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    monkeypatch.setenv("LONGSPEC_CACHE", str(tmp_path / "cache"))
+    acceptance_memory.forget_memory()
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=2)
+    seen = []  # (prompt, what was remembered when the request started)
+    real_generate = Generator.generate
+
+    def generate(self, prompt_ids, **kwargs):
+        seen.append((tuple(prompt_ids), json_module.dumps(acceptance_memory.memory_snapshot(), sort_keys=True)))
+        result = real_generate(self, prompt_ids, **kwargs)
+        # Every request leaves something new in the memory, as one that ran a candidate does.
+        entry = {"tokens_per_round": 2.0, "rounds": len(seen), "wait": 8}
+        acceptance_memory.save_memory(f"request {len(seen)}", {"pld 10": entry}, None)
+        return result
+
+    monkeypatch.setattr(Generator, "generate", generate)
+    args = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "auto", "--ignore-eos"]
+    args += ["--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "12", "--repeats", "3"]
+    assert benchmark.main([*args, "--json-out", str(tmp_path / "out.json")]) == 0
+    prompts = list(dict.fromkeys(p for p, _ in seen))
+    assert len(prompts) == 2
+    starts = [[memory for p, memory in seen if p == prompt][-3:] for prompt in prompts]  # the timed three
+    for memories in starts:
+        assert memories[0] == memories[1] == memories[2]
+    assert starts[0][0] != starts[1][0]  # the second prompt starts from what the first left
+    acceptance_memory.forget_memory()
