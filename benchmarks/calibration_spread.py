@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+from benchmarks.request_overhead import length_points, marginal_round_s
 from longspec_jax import calibration
 from longspec_jax.adaptive import candidate_plan
 from longspec_jax.generation import Generator
@@ -67,13 +68,12 @@ def marginal_round_ms(generator: Generator, prompt, lengths: tuple[int, int], re
     rounds at each length, "decode_ms": the median decode ms at each}."""
     for _ in range(WARM_CALLS):
         generator.generate(prompt, max_new_tokens=max(lengths), **request)
-    rounds, decode = [], []
-    for n in lengths:
-        runs = [generator.generate(prompt, max_new_tokens=n, **request).stats for _ in range(repeats)]
-        rounds.append(runs[0].rounds)
-        decode.append(1e3 * statistics.median(s.decode_s for s in runs))
-    slope = (decode[1] - decode[0]) / max(rounds[1] - rounds[0], 1)
-    return {"round_ms": slope, "rounds": rounds, "decode_ms": decode}
+    points, _ = length_points(generator, prompt, lengths, repeats, **request)
+    return {
+        "round_ms": 1e3 * marginal_round_s(points),
+        "rounds": [p["rounds"] for p in points],
+        "decode_ms": [1e3 * p["decode_s"] for p in points],
+    }
 
 
 def after_idle(generator: Generator, prompt, gaps, repeats: int, **request) -> dict[float, float]:

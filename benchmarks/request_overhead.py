@@ -18,6 +18,7 @@ import argparse
 import functools
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,34 +30,55 @@ from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import random_target
 
 
-def per_request(target, draft, prompt_tokens: int, batch: int, mode: str, new_tokens=(130, 256), repeats=3) -> dict:
-    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms"} of one mode at one
-    batch size. before_loop_ms: the part of decode_s before the loop's first call (the start
-    program's dispatch; it is not waited for, so its device time shows in the loop call)."""
-    rng = np.random.default_rng(0)
-    vocab = target.config.vocab_size
-    prompts = [rng.integers(10, vocab - 1, prompt_tokens).tolist() for _ in range(batch)]
-    gen = generation.Generator(target, draft, mode=mode)
-    gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=())  # compile (and calibrate)
+def length_points(gen, prompts, new_tokens, repeats: int, **request) -> tuple[list[dict], Any]:
+    """The request timed `repeats` times at each length of `new_tokens` -> ([{"rounds", "decode_s",
+    "wall_s", "before_loop_s"} per length: the last run's rounds, median seconds], the last result).
+    wall_s: host time outside decode and prefill; before_loop_s: the part of decode_s before the
+    loop's first call (the start program's dispatch; it is not waited for, so its device time shows
+    in the loop call)."""
     points = []
     for n in new_tokens:
         decode, wall, before_loop = [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            result = gen.generate(prompts, max_new_tokens=n, eos_token_ids=())
+            result = gen.generate(prompts, max_new_tokens=n, **request)
             wall.append(time.perf_counter() - start - result.stats.decode_s - result.stats.prefill_s)
             decode.append(result.stats.decode_s)
             in_loop = sum(r["ms"] for r in result.stats.runs if r["what"] == "loop") / 1e3
             before_loop.append(result.stats.decode_s - in_loop)
-        points.append((result.stats.rounds, statistics.median(decode), statistics.median(wall), before_loop))
-    (r0, d0, w0, b0), (r1, d1, _, _) = points[0], points[-1]
-    slope = (d1 - d0) / max(r1 - r0, 1)
+        points.append(
+            {
+                "rounds": result.stats.rounds,
+                "decode_s": statistics.median(decode),
+                "wall_s": statistics.median(wall),
+                "before_loop_s": statistics.median(before_loop),
+            }
+        )
+    return points, result
+
+
+def marginal_round_s(points: list[dict]) -> float:
+    """Seconds a round adds between the first and the last of `length_points`' lengths."""
+    first, last = points[0], points[-1]
+    return (last["decode_s"] - first["decode_s"]) / max(last["rounds"] - first["rounds"], 1)
+
+
+def per_request(target, draft, prompt_tokens: int, batch: int, mode: str, new_tokens=(130, 256), repeats=3) -> dict:
+    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms"} of one mode at one
+    batch size (`length_points` at the shortest length, the slope between the two)."""
+    rng = np.random.default_rng(0)
+    vocab = target.config.vocab_size
+    prompts = [rng.integers(10, vocab - 1, prompt_tokens).tolist() for _ in range(batch)]
+    gen = generation.Generator(target, draft, mode=mode)
+    gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=())  # compile (and calibrate)
+    points, result = length_points(gen, prompts, new_tokens, repeats, eos_token_ids=())
+    slope, shortest = marginal_round_s(points), points[0]
     policy = result.stats.policy.get("candidates", {}) if result.stats.policy else {}
     return {
         "round_ms": 1e3 * slope,
-        "fixed_ms": 1e3 * (d0 - r0 * slope),
-        "before_loop_ms": 1e3 * statistics.median(b0),
-        "wall_extra_ms": 1e3 * w0,
+        "fixed_ms": 1e3 * (shortest["decode_s"] - shortest["rounds"] * slope),
+        "before_loop_ms": 1e3 * shortest["before_loop_s"],
+        "wall_extra_ms": 1e3 * shortest["wall_s"],
         "calibrated_ms": {name: c["ms_per_round"] for name, c in policy.items()},
     }
 

@@ -26,6 +26,7 @@ it at all. Deleting `$LONGSPEC_CACHE/acceptance` starts afresh.
 from __future__ import annotations
 
 import atexit
+import copy
 import hashlib
 import json
 import math
@@ -123,13 +124,13 @@ def flush_memory() -> None:
 def memory_snapshot() -> dict[str, dict[str, dict[str, float]]]:
     """A copy of what this process remembers, for `restore_memory` (a benchmark that times one
     request several times starts each timing from what the earlier requests left)."""
-    return {key: {name: dict(entry) for name, entry in entries.items()} for key, entries in _MEMORY.items()}
+    return copy.deepcopy(_MEMORY)
 
 
 def restore_memory(snapshot: dict[str, dict[str, dict[str, float]]]) -> None:
     """Remember exactly what `snapshot` held (kept on disk as usual from the next save on)."""
     _MEMORY.clear()
-    _MEMORY.update({key: {name: dict(entry) for name, entry in entries.items()} for key, entries in snapshot.items()})
+    _MEMORY.update(copy.deepcopy(snapshot))
 
 
 def forget_memory() -> None:
