@@ -169,6 +169,17 @@ def test_init_draft_starts_a_stage_from_the_given_weights(uninterrupted, corpus_
     np.testing.assert_array_equal(np.asarray(started), np.asarray(exported))
 
 
+def test_a_stage_from_a_draft_with_candidate_tokens_exports_them(uninterrupted, corpus_file, tmp_path):
+    result, _ = uninterrupted
+    cfg = tiny_cfg(corpus_file, tmp_path / "run", "max_steps=2")
+    target = random_target(cfg.model, seed=cfg.seed)
+    ids = np.arange(0, cfg.model.vocab_size, 3, dtype=np.int32)
+    start = load_draft(result.draft_path, target).with_candidate_tokens(ids).save(tmp_path / "with_candidates")
+    trained = train(apply_overrides(cfg, [f"init_draft={start}"]))
+    np.testing.assert_array_equal(load_draft(trained.draft_path, target).candidate_tokens, ids)
+    assert load_draft(result.draft_path, target).candidate_tokens is None  # a new draft has none
+
+
 def test_a_missing_init_draft_is_refused_before_training(corpus_file, tmp_path):
     cfg = tiny_cfg(corpus_file, tmp_path / "run", f"init_draft={tmp_path / 'nowhere'}")
     with pytest.raises(UserError, match="init_draft=.*nowhere does not exist"):

@@ -240,7 +240,7 @@ def _train_locked(cfg: TrainConfig, files, deadline: float, notes: list[str], on
                 log.close()
     finally:
         store.close()
-    draft_path = _export(draft_graphdef, state["params"], cfg, run_dir / "draft")
+    draft_path = _export(draft_graphdef, state["params"], cfg, run_dir / "draft", draft.candidate_tokens)
     return TrainResult(
         run_dir=run_dir,
         start_step=start_step,
@@ -336,14 +336,16 @@ def _initial_draft(cfg: TrainConfig, target):
     return init_draft(target, cfg.seed)
 
 
-def _export(draft_graphdef, params, cfg: TrainConfig, path: Path) -> Path | None:
-    """Write the trained draft in the compute dtype with Draft.save (process 0)."""
+def _export(draft_graphdef, params, cfg: TrainConfig, path: Path, candidate_tokens=None) -> Path | None:
+    """Write the trained draft in the compute dtype with Draft.save (process 0), with the candidate
+    tokens of the draft it started from (init_draft or the previous stage's; none for a new draft):
+    training moves the weights, not the vocabulary its text uses."""
     from longspec_jax.draft_io import Draft
 
     host = multihost_utils.process_allgather(params, tiled=True)  # every process holds all of it
     if jax.process_index() != 0:
         return None
-    return Draft(nnx.merge(draft_graphdef, host)).cast(jnp.dtype(cfg.compute_dtype)).save(path)
+    return Draft(nnx.merge(draft_graphdef, host), candidate_tokens).cast(jnp.dtype(cfg.compute_dtype)).save(path)
 
 
 # What must not change between a checkpoint and its resumption for the run to continue exactly.
