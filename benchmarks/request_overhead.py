@@ -3,13 +3,20 @@
 Part 1, per mode and batch size: `decode_s` at two max_new_tokens values in one output bucket
 (130 and 256 by default). The slope is what a round costs at the margin, the intercept what a
 request costs besides its rounds (start, loop calls, reads); mode auto also prints the costs its
-calibration measured, to compare with the slopes. Random weights (a model's shape, a random draft)
-and a random prompt: costs, not acceptance.
+calibration measured, to compare with the slopes. By default random weights (a model's shape, a
+random draft) and a random prompt: costs, not acceptance. With --target (and --draft, --prompts)
+a real model decodes a prompt of an eval set, at --temperature with a fixed seed, so that two modes
+that keep the same tokens a round (mode auto running one tree, and that tree as a fixed mode) can be
+told apart by what they cost a round and a request. A mode is any of infer.benchmark's --modes
+entries (ar, auto, pld, longspec, longspec:4-4-4, ...).
 
-Part 2: one compiled call with many argument leaves (weights, a donated cache, a while loop of a
-few tiny rounds), to see what the number of buffers a call passes costs.
+Part 2 (random weights only): one compiled call with many argument leaves (weights, a donated
+cache, a while loop of a few tiny rounds), to see what the number of buffers a call passes costs.
 
     python -m benchmarks.request_overhead [--shape smollm2_135m] [--prompt-tokens 2500]
+    python -m benchmarks.request_overhead --target SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --draft longspec_jax/drafts/smollm2_135m --prompts infer/eval_sets/smollm2/code_completion.jsonl \\
+        --temperature 1 --modes auto,longspec:4-4-4,ar --batch-sizes 1 --repeats 5 --warm-up 6
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import functools
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -63,15 +71,22 @@ def marginal_round_s(points: list[dict]) -> float:
     return (last["decode_s"] - first["decode_s"]) / max(last["rounds"] - first["rounds"], 1)
 
 
-def per_request(target, draft, prompt_tokens: int, batch: int, mode: str, new_tokens=(130, 256), repeats=3) -> dict:
-    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms"} of one mode at one
-    batch size (`length_points` at the shortest length, the slope between the two)."""
+def random_prompts(vocab_size: int, prompt_tokens: int, batch: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    vocab = target.config.vocab_size
-    prompts = [rng.integers(10, vocab - 1, prompt_tokens).tolist() for _ in range(batch)]
-    gen = generation.Generator(target, draft, mode=mode)
-    gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=())  # compile (and calibrate)
-    points, result = length_points(gen, prompts, new_tokens, repeats, eos_token_ids=())
+    return [rng.integers(10, vocab_size - 1, prompt_tokens).tolist() for _ in range(batch)]
+
+
+def per_request(
+    target, draft, prompts, mode: str, new_tokens=(130, 256), repeats=3, *, widths=None, warm_up: int = 1, **request
+) -> dict:
+    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms"} of one mode (and
+    tree `widths`) on `prompts` (`length_points` at the shortest length, the slope between the
+    two). warm_up: untimed requests first (compiles and calibrates; a GPU builds its graphs over a
+    process's first calls). request: generate's sampling settings (temperature, seed)."""
+    gen = generation.Generator(target, draft, mode=mode, tree_widths=widths)
+    for _ in range(warm_up):
+        gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=(), **request)
+    points, result = length_points(gen, prompts, new_tokens, repeats, eos_token_ids=(), **request)
     slope, shortest = marginal_round_s(points), points[0]
     policy = result.stats.policy.get("candidates", {}) if result.stats.policy else {}
     return {
@@ -80,6 +95,7 @@ def per_request(target, draft, prompt_tokens: int, batch: int, mode: str, new_to
         "before_loop_ms": 1e3 * shortest["before_loop_s"],
         "wall_extra_ms": 1e3 * shortest["wall_s"],
         "calibrated_ms": {name: c["ms_per_round"] for name, c in policy.items()},
+        "rounds": [p["rounds"] for p in points],
     }
 
 
@@ -109,38 +125,78 @@ def per_call(weight_leaves: int, cache_leaves: int, rounds: int, repeats: int = 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
-    parser.add_argument("--prompt-tokens", type=int, default=2500)
+    parser.add_argument("--prompt-tokens", type=int, default=2500, help="the random prompt's length")
+    parser.add_argument("--target", help="a real target (.gguf or HF directory) instead of random weights")
+    parser.add_argument("--draft", help="its draft (default: the one shipped for it)")
+    parser.add_argument("--prompts", type=Path, help="with --target: an eval set's .jsonl (default: a random prompt)")
+    parser.add_argument("--prompt-index", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0, help="every timed request's seed")
     parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--modes", default="ar,auto,longspec,pld", help="longspec and pld run at batch 1 only")
+    parser.add_argument(
+        "--modes",
+        default="ar,auto,longspec,pld",
+        help="infer.benchmark's --modes entries; pld and longspec at batch 1 only",
+    )
     parser.add_argument("--new-tokens", default="130,256", help="two values in one output bucket")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm-up", type=int, default=1, help="untimed requests per mode and batch size first")
     parser.add_argument("--small", action="store_true", help="a tiny model and few arguments (tests)")
     args = parser.parse_args(argv)
-    if args.small:
-        from benchmarks.decode_kernels import SMALL_CONFIG
+    from infer.benchmark import parse_mode_spec
 
-        args.prompt_tokens, calls = 100, ((4, 4, 0), (4, 4, 1))
+    modes = [(spec, *parse_mode_spec(spec)) for spec in args.modes.split(",")]
+    if args.target:
+        from longspec_jax.draft_io import inference_draft
+        from longspec_jax.target import load_target
+
+        target = load_target(args.target, dtype="bfloat16")
+        draft = inference_draft(target, args.draft)
+        shape, calls = args.target, ()
     else:
-        calls = ((270, 60, 0), (270, 60, 1), (1, 60, 1), (270, 2, 1))
-    config = SMALL_CONFIG if args.small else MODEL_SHAPES[args.shape]
-    target = random_target(config, seed=0, dtype="bfloat16")
-    draft = init_draft(target, seed=1).cast(jnp.bfloat16)
+        if args.small:
+            from benchmarks.decode_kernels import SMALL_CONFIG
+
+            args.prompt_tokens, calls = 100, ((4, 4, 0), (4, 4, 1))
+        else:
+            calls = ((270, 60, 0), (270, 60, 1), (1, 60, 1), (270, 2, 1))
+        target = random_target(SMALL_CONFIG if args.small else MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
+        draft = init_draft(target, seed=1).cast(jnp.bfloat16)
+        shape = f"{'small' if args.small else args.shape}, random weights"
+    if args.prompts:
+        from benchmarks.decode_kernels import eval_prompt
+
+        prompt = eval_prompt(args.prompts, args.prompt_index)
+        what = f"{args.prompts.stem}[{args.prompt_index}], {len(prompt)} tokens"
+    else:
+        prompt = random_prompts(target.config.vocab_size, args.prompt_tokens, 1)[0]
+        what = f"a random {args.prompt_tokens}-token prompt"
     new_tokens = tuple(int(n) for n in args.new_tokens.split(","))
-    shape = "small" if args.small else args.shape
+    request = {"temperature": args.temperature, "seed": args.seed}
     device = jax.devices()[0].device_kind
-    print(f"{device}, jax {jax.__version__}; {shape}, random weights, {args.prompt_tokens}-token prompt")
+    print(f"{device}, jax {jax.__version__}; {shape}; {what}; T = {args.temperature:g}")
     report = {"requests": [], "calls": []}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for mode in args.modes.split(","):
+        for spec, mode, widths in modes:
             if batch > 1 and mode in ("longspec", "pld"):
                 continue
-            r = per_request(target, draft, args.prompt_tokens, batch, mode, new_tokens, args.repeats)
-            report["requests"].append({"batch": batch, "mode": mode, **r})
+            r = per_request(
+                target,
+                draft if mode in ("longspec", "auto") else None,
+                [prompt] * batch,
+                mode,
+                new_tokens,
+                args.repeats,
+                widths=widths,
+                warm_up=args.warm_up,
+                **request,
+            )
+            report["requests"].append({"batch": batch, "mode": spec, **r})
             calibrated = ", ".join(f"{k} {v:.3f}" for k, v in r["calibrated_ms"].items())
             print(
-                f"batch {batch} {mode}: {r['round_ms']:.3f} ms a round, {r['fixed_ms']:.2f} ms a request besides "
+                f"batch {batch} {spec}: {r['round_ms']:.3f} ms a round, {r['fixed_ms']:.2f} ms a request besides "
                 f"(decode_s; {r['before_loop_ms']:.2f} before the loop's call), "
-                f"{r['wall_extra_ms']:.2f} ms of host time outside it"
+                f"{r['wall_extra_ms']:.2f} ms of host time outside it; rounds {r['rounds']}"
                 + (f"; calibrated ms a round: {calibrated}" if calibrated else ""),
                 flush=True,
             )

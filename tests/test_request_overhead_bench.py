@@ -1,9 +1,15 @@
-"""benchmarks/request_overhead.py runs end to end on a tiny model (CPU) and its fit is consistent:
-the fixed cost and the round cost reproduce the measured decode time."""
+"""benchmarks/request_overhead.py runs end to end on a tiny model (CPU), with random weights or a
+saved checkpoint and an eval set's prompt, and its fit is consistent: the fixed cost and the round
+cost reproduce the measured decode time."""
 
+import json
 import math
 
 from benchmarks import request_overhead
+from longspec_jax.adaptive import candidate_plan
+from longspec_jax.draft_io import init_draft
+from longspec_jax.target import load_target
+from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
 
 def test_small_run_reports_every_mode_and_the_call_costs(capsys):
@@ -36,7 +42,8 @@ def test_the_fit_reproduces_a_linear_cost(monkeypatch):
         def __init__(self, *args, **kwargs):
             pass
 
-        def generate(self, prompts, max_new_tokens, eos_token_ids):
+        def generate(self, prompts, max_new_tokens, eos_token_ids, **request):
+            assert request == {"temperature": 1.0, "seed": 4}
             return Result(max_new_tokens)
 
     monkeypatch.setattr(request_overhead.generation, "Generator", FakeGenerator)
@@ -47,6 +54,28 @@ def test_the_fit_reproduces_a_linear_cost(monkeypatch):
     class Target:
         config = Config()
 
-    r = request_overhead.per_request(Target(), None, 10, 1, "ar", (130, 256), repeats=1)
+    r = request_overhead.per_request(Target(), None, [[1] * 10], "ar", (130, 256), repeats=1, temperature=1.0, seed=4)
     assert abs(r["round_ms"] - 0.5) < 1e-9 and abs(r["fixed_ms"] - 3.0) < 1e-9
     assert abs(r["before_loop_ms"] - 1.0) < 1e-9
+
+
+def test_a_saved_model_decodes_an_eval_prompt_in_each_mode(tmp_path, capsys):
+    target_dir = save_tiny_checkpoint(tmp_path / "target", tiny_config(), seed=3)
+    draft_dir = init_draft(load_target(target_dir), seed=1).save(tmp_path / "draft")
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": list(range(5 + i, 45 + i))}) for i in range(2)) + "\n")
+    report = request_overhead.main(
+        ["--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts), "--prompt-index", "1"]
+        + ["--temperature", "1", "--modes", "ar,longspec:2-2,auto", "--batch-sizes", "1", "--repeats", "1"]
+        + ["--new-tokens", "12,24"]
+    )
+    out = capsys.readouterr().out
+    assert [r["mode"] for r in report["requests"]] == ["ar", "longspec:2-2", "auto"]
+    assert report["calls"] == []  # the call probe belongs to random weights
+    ar, tree, auto = report["requests"]
+    assert ar["rounds"] == [11, 23]  # one token a round
+    assert all(0 < t <= a for t, a in zip(tree["rounds"], ar["rounds"]))
+    plan = candidate_plan(has_draft=True, greedy=False, batch=1)
+    assert set(auto["calibrated_ms"]) == {name for name, _ in plan}
+    assert all(ms > 0 for ms in auto["calibrated_ms"].values())
+    assert "set[1], 40 tokens; T = 1" in out
