@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from longspec_jax.compile_cache import cache_root, keep_json
-from longspec_jax.policy import AR, FIRST_WAIT, with_memory
+from longspec_jax.policy import AR, FIRST_WAIT, with_costs_and_memory, with_memory
 
 MEMORY_ROUNDS = 64  # the older requests' rounds count as at most this many against a new request's
 SAMPLED_EVIDENCE = 16  # when sampling, a remembered estimate weighs as at most this many rounds
@@ -46,7 +46,10 @@ SAVE_EVERY_S = 10.0  # a key's file is rewritten at most this often (and when th
 _MEMORY: dict[str, dict[str, dict[str, float]]] = {}
 _UNSAVED: dict[str, Path | None] = {}  # keys whose latest entries are not on disk yet, and their folder
 _SAVED_AT: dict[str, float] = {}  # when each key was last written (time.monotonic)
-_with_memory = jax.jit(with_memory)  # one compiled call, not a dozen eager operations per request
+# One compiled call each, not a dozen eager operations per request; with the calibration's costs,
+# one call for both (two cost the H200's host ~1 ms more a request than a fixed mode's set-up).
+_with_memory = jax.jit(with_memory)
+_with_costs_and_memory = jax.jit(with_costs_and_memory)
 
 
 def weights_fingerprint(tree) -> str:
@@ -141,9 +144,11 @@ def forget_memory() -> None:
     _SAVED_AT.clear()
 
 
-def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = False):
+def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = False, seconds=None):
     """The loop state with each remembered candidate's estimate and wait set (policy.with_memory)
-    -> (state, the names of the candidates that start from memory). sampled: the request samples,
+    -> (state, the names of the candidates that start from memory). seconds: the calibration's
+    seconds per round of each candidate, set first (policy.with_costs) in the same compiled call;
+    None leaves the costs as they are. sampled: the request samples,
     and a remembered estimate weighs as the rounds behind it (at most SAMPLED_EVIDENCE): what a
     drawn token keeps is a property of draft and target, which one round's luck must not overturn;
     and a remembered loser is retried after the first wait (policy.FIRST_WAIT), not its remembered
@@ -156,14 +161,17 @@ def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = Fal
     decides."""
     kept = load_memory(key, memory_folder())
     remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
-    if not remembered:
+    if not remembered and seconds is None:
         return state, ()
     tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
     wait = np.asarray([(FIRST_WAIT if sampled else kept[n]["wait"]) if n in remembered else 0 for n in names], np.int32)
     rounds = np.asarray(
         [min(kept[n]["rounds"], SAMPLED_EVIDENCE) if sampled and n in remembered else 1 for n in names], np.float32
     )
-    policy = _with_memory(state.proposal.policy, tokens, wait, rounds)
+    if seconds is None:
+        policy = _with_memory(state.proposal.policy, tokens, wait, rounds)
+    else:
+        policy = _with_costs_and_memory(state.proposal.policy, np.asarray(seconds, np.float32), tokens, wait, rounds)
     return state.replace(proposal=state.proposal.replace(policy=policy)), remembered
 
 

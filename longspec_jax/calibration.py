@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from longspec_jax.compile_cache import cache_root, keep_json
-from longspec_jax.policy import with_costs
 
 TIMED_SECONDS = 0.02  # about how long each candidate's timed run takes
 PROBE_ROUNDS = 2  # rounds that size the timed run
@@ -31,7 +30,6 @@ CALL_REPEATS = 3  # calls without a round, the fastest taken as what a call cost
 UNMEASURED_SECONDS = 1.0  # a candidate's cost a round until it is measured: too dear to pick
 METHOD = 2  # part of the key: costs measured another way are measured again
 _MEMORY: dict[str, dict[str, float]] = {}
-_with_costs = jax.jit(with_costs)
 
 
 def calibration_key(**parts) -> str:
@@ -128,12 +126,13 @@ def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_count
 
 
 def calibrated(state, run, names: tuple[str, ...], key: str):
-    """The loop state with the policy's round costs set: from memory or disk when this kind of
+    """The policy's seconds per round of each candidate: from memory or disk when this kind of
     request was measured before, else measured now on the first rounds (each candidate's rounds
     also count as evidence for the policy). A request that ends before every candidate ran keeps
     what it measured, and the next request measures only the rest; until then a candidate not
-    measured costs UNMEASURED_SECONDS a round, so the policy leaves it alone. -> (state, where the
-    costs came from: "kept" or "measured")."""
+    measured costs UNMEASURED_SECONDS a round, so the policy leaves it alone. -> (state after any
+    measuring rounds, float seconds[K], where they came from: "kept" or "measured"). The caller sets
+    them into the policy (acceptance_memory.with_remembered, with what earlier requests kept)."""
     folder = calibration_folder()
     kept = {n: s for n, s in (load_calibration(key, folder) or {}).items() if n in names}
     missing = [k for k, n in enumerate(names) if n not in kept]
@@ -147,14 +146,7 @@ def calibrated(state, run, names: tuple[str, ...], key: str):
             kept = {**kept, **new}
             save_calibration(key, kept, folder)
     seconds = np.asarray([kept.get(n, UNMEASURED_SECONDS) for n in names])
-    return with_round_costs(state, seconds), source
-
-
-def with_round_costs(state, seconds):
-    """The loop state with the policy's seconds per round replaced (a few floats to the device;
-    policy.with_costs, one compiled call: as a dozen eager operations it cost a GPU request ms)."""
-    policy = _with_costs(state.proposal.policy, np.asarray(seconds, np.float32))
-    return state.replace(proposal=state.proposal.replace(policy=policy))
+    return state, seconds, source
 
 
 def policy_stats(proposer, policy, source, remembered=()) -> dict:

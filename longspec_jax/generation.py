@@ -172,6 +172,7 @@ class Generator:
         self.graphdef, self.params = nnx.split(target.decode_model())
         self._adaptive: dict[tuple, tuple] = {}
         self._fingerprint: str | None = None  # of the weights, for mode auto's acceptance memory
+        self._memory_keys: dict[tuple, str] = {}  # acceptance_key's answers
         self._programs: dict[tuple, Any] = {}  # compiled programs by shape (loop_programs, run_prefill)
         self._sampling: dict[SamplingSettings, SamplingParams] = {}
         if mode == AUTO_MODE:
@@ -192,18 +193,21 @@ class Generator:
     def acceptance_key(self, proposer: Adaptive, request: DecodeRequest, batch: int) -> str:
         """The key of what mode auto's candidates kept in earlier requests of this kind
         (acceptance_memory.py): the target's and draft's weights, the candidates, the batch size,
-        the sampling settings."""
-        if self._fingerprint is None:
-            draft = None if self.draft is None else nnx.state(self.draft.block)
-            self._fingerprint = weights_fingerprint((self.params, draft))
-        vocabulary = None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens)
-        return memory_key(
-            weights=self._fingerprint,
-            draft_vocabulary=vocabulary,
-            candidates=proposer.names,
-            batch=batch,
-            **dataclasses.asdict(request.sampling),
-        )
+        the sampling settings (worked out once per kind: hashing it is host time every request)."""
+        kind = (proposer.names, batch, request.sampling)
+        if kind not in self._memory_keys:
+            if self._fingerprint is None:
+                draft = None if self.draft is None else nnx.state(self.draft.block)
+                self._fingerprint = weights_fingerprint((self.params, draft))
+            vocabulary = None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens)
+            self._memory_keys[kind] = memory_key(
+                weights=self._fingerprint,
+                draft_vocabulary=vocabulary,
+                candidates=proposer.names,
+                batch=batch,
+                **dataclasses.asdict(request.sampling),
+            )
+        return self._memory_keys[kind]
 
     def generate(
         self,
@@ -361,9 +365,10 @@ class Generator:
             state = programs.start(*start_args)
             rounds = 0  # the host reads the state only after a loop call: no sync before the loop
             if adaptive:
-                state, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
+                state, seconds, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
                 rounds = int(state.rounds) if calibration == "measured" else 0
-                state, remembered = with_remembered(state, proposer.names, memory, sampled=not request.sampling.greedy)
+                sampled = not request.sampling.greedy
+                state, remembered = with_remembered(state, proposer.names, memory, sampled, seconds=seconds)
             if request.profile:
                 jax.block_until_ready(state)
                 runs.append(("start", rounds, time.perf_counter() - t0))

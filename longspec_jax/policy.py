@@ -145,6 +145,11 @@ def with_memory(policy: PolicyState, tokens_per_round, wait, rounds) -> PolicySt
     )
 
 
+def with_costs_and_memory(policy: PolicyState, seconds_per_round, tokens_per_round, wait, rounds) -> PolicyState:
+    """A request's starting policy: `with_costs`, then `with_memory` (NaN tokens: nothing remembered)."""
+    return with_memory(with_costs(policy, seconds_per_round), tokens_per_round, wait, rounds)
+
+
 def first_max(values):
     """The index of the first largest of values [K] (jnp.argmax's answer, NaN aside), unrolled over
     the few static candidates: compares and selects that XLA fuses with the rest of the policy's

@@ -361,6 +361,30 @@ def test_a_remembered_estimate_weighs_its_rounds_only_when_sampling():
     assert sampled.proposal.policy.wait.tolist()[1:] == [FIRST_WAIT, FIRST_WAIT]
 
 
+def test_costs_and_memory_set_in_one_call_as_the_two_in_turn():
+    names = ("ar", "pld 2", DRAWN_TREE)
+    key = acceptance_memory.memory_key(test="one call")
+    acceptance_memory.save_memory(key, {DRAWN_TREE: {"tokens_per_round": 1.7, "rounds": 30, "wait": 32}}, None)
+    policy = init_policy(jnp.ones(3), max_tokens=[1, 3, 2]).replace(rounds=jnp.asarray([0, 2, 0], jnp.int32))
+    seconds = [0.6e-3, 0.9e-3, 1.2e-3]
+    for sampled in (False, True):
+        both, remembered = acceptance_memory.with_remembered(
+            _LoopState(_Proposal(policy)), names, key, sampled, seconds=seconds
+        )
+        costed = _LoopState(_Proposal(with_costs(policy, seconds)))
+        in_turn, _ = acceptance_memory.with_remembered(costed, names, key, sampled)
+        assert remembered == (DRAWN_TREE,)
+        for a, b in zip(jax.tree.leaves(both.proposal.policy), jax.tree.leaves(in_turn.proposal.policy)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Nothing remembered: the costs alone are set.
+    alone, remembered = acceptance_memory.with_remembered(
+        _LoopState(_Proposal(policy)), names, acceptance_memory.memory_key(test="none"), seconds=seconds
+    )
+    assert remembered == ()
+    np.testing.assert_allclose(alone.proposal.policy.seconds_per_round, seconds, rtol=1e-6)
+    np.testing.assert_array_equal(alone.proposal.policy.tokens_per_round, with_costs(policy, seconds).tokens_per_round)
+
+
 def test_when_sampling_a_remembered_loser_wins_its_place_back():
     """The H200 case (T = 1, 2026-12-03): AR 0.663 ms a round, the coupled tree 1.143 ms (it breaks
     even at 1.72 tokens); the memory says the tree kept 1.52 over its 20 calibration rounds, with a

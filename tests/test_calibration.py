@@ -114,21 +114,20 @@ def test_a_request_that_ends_early_keeps_what_it_measured_and_the_next_measures_
 
     real = calibration.measure_rounds
     monkeypatch.setattr(calibration, "calibration_folder", lambda: tmp_path)
-    monkeypatch.setattr(calibration, "with_round_costs", lambda state, seconds: (state, seconds))
     monkeypatch.setattr(calibration, "measure_rounds", lambda *a, **k: real(*a, **k, clock=lambda: now[0]))
     names = ("ar", "pld", "tree")
-    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    state, seconds, source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
     assert source == "measured" and set(measured) == {0, 1}  # the tree's turn came after the end
     np.testing.assert_allclose(seconds[:2], cost[:2], rtol=1e-6)
     assert seconds[2] == calibration.UNMEASURED_SECONDS
     calibration.forget_calibrations()
     measured.clear()
     end[0] = 1000
-    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    state, seconds, source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
     assert source == "measured" and set(measured) == {2}  # only what was missing
     np.testing.assert_allclose(seconds, cost, rtol=1e-6)
     measured.clear()
-    (state, seconds), source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
+    state, seconds, source = calibration.calibrated(State(jnp.asarray(0)), run, names, "early")
     assert source == "kept" and measured == []
     calibration.forget_calibrations()
 
