@@ -71,9 +71,8 @@ def marginal_round_s(points: list[dict]) -> float:
     return (last["decode_s"] - first["decode_s"]) / max(last["rounds"] - first["rounds"], 1)
 
 
-def random_prompts(vocab_size: int, prompt_tokens: int, batch: int) -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    return [rng.integers(10, vocab_size - 1, prompt_tokens).tolist() for _ in range(batch)]
+def random_prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
+    return np.random.default_rng(0).integers(10, vocab_size - 1, prompt_tokens).tolist()
 
 
 def per_request(
@@ -169,7 +168,7 @@ def main(argv=None) -> dict:
         prompt = eval_prompt(args.prompts, args.prompt_index)
         what = f"{args.prompts.stem}[{args.prompt_index}], {len(prompt)} tokens"
     else:
-        prompt = random_prompts(target.config.vocab_size, args.prompt_tokens, 1)[0]
+        prompt = random_prompt(target.config.vocab_size, args.prompt_tokens)
         what = f"a random {args.prompt_tokens}-token prompt"
     new_tokens = tuple(int(n) for n in args.new_tokens.split(","))
     request = {"temperature": args.temperature, "seed": args.seed}
