@@ -9,9 +9,9 @@ not once per round, and the host never steps in:
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
-tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a small tree
-coupled with the target's picks (acceptance.py), or at large batches a token drawn from its
-distribution; large batches get smaller trees. The choice each round is policy.py's.
+tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a wide
+two-level tree coupled with the target's picks (acceptance.py), or at large batches a token drawn
+from its distribution; large batches get smaller trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
 candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
@@ -47,7 +47,7 @@ from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
 
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
-COUPLED_TREE = (4, 4, 4)  # ... below LARGE_BATCH: a tree coupled with the target's picks
+COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
 SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
 
 
@@ -132,14 +132,19 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
     tokens), ahead of an adaptive set that also held a 10-token chain and a (4, 8, 8) tree
     (0.84-1.49x), whose mixed runs cost up to a third more than their candidates' calibrated rounds.
-    At T > 0 below LARGE_BATCH the draft's candidate is a (4, 4, 4) tree coupled with the target's
-    picks (acceptance.py). On the H200 at T = 1 (SmolLM2 and its draft, BENCHMARKS.md) it keeps
-    2.25 / 2.00 tokens a round (code / summaries) for 1.8 AR steps, 1.22x / 1.13x AR alone, where
-    wider or deeper coupled trees kept about as much for more. A token drawn from the draft
-    (verified by speculative sampling) keeps 1.45 a round for ~1.25 AR steps: below the tree on
+    At T > 0 below LARGE_BATCH the draft's candidate is a tree coupled with the target's picks
+    (acceptance.py), wide near the root and two levels deep: the target's distribution is wide, so
+    more candidates near the root buy kept tokens more cheaply than a third level does, which also
+    costs a draft step a round. On the H200 at T = 1 (SmolLM2 and its draft, 8
+    prompts a task, 2026-12-04, BENCHMARKS.md) a (16, 8) round cost 0.98-0.99 of a (4, 4, 4) round
+    and kept as much on code and 4-8 % more on summaries: 1.24-1.27x AR against 1.22-1.25x on code,
+    1.25-1.30x against 1.15-1.21x on summaries, on the stdlib/docs and the diverse sets; deeper
+    trees ((4, 8, 8, 8), (6, 6, 6)) kept more and cost more (1.15-1.26x), a (16, 16) likewise
+    (1.20-1.29x). A token drawn from the draft (verified by speculative sampling) keeps 1.45 a
+    round for ~1.25 AR steps: below the (4, 4, 4) tree that was the coupled one then on
     both tasks, and next to AR where the draft is poor. Offered beside the tree it cost more than
     it brought: a few unlucky first rounds of the tree left the policy on the drawn token, whose
-    estimate firms up faster (it runs every round), and mode auto ran at 0.96x / 1.05x AR where the
+    estimate firms up faster (it runs every round), and mode auto ran at 0.96x / 1.05x AR where that
     tree alone ran 1.22x / 1.13x (2026-12-03). At batch 4 and 8 a coupled (2, 2) tree beside the
     drawn token made auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so
     large batches keep the drawn token only. The prompt-lookup chain is short, and at T > 0 below
