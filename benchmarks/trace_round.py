@@ -20,6 +20,17 @@ not with the span.
     python -m benchmarks.trace_round --out /tmp/trace --tree-widths 1 --temperature 1   # one drawn token
     python -m benchmarks.trace_round --out /tmp/trace --tree-widths 4,4,4 --temperature 1 --candidate-tokens 16384
     python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
+
+With `--target` (a checkpoint or GGUF), `--draft` and an eval prompt (`--prompts FILE.jsonl
+--prompt-index I`) it traces real weights instead, where acceptance decides what runs; then
+`--modes` may hold `auto`, whose policy picks the candidate each round: give it a few `--warm-up`
+requests first (its first one measures the candidates' costs, and XLA builds a loop's command
+buffers over its first calls). Its line counts every kernel after the prefill over its rounds,
+the set-up of the policy before the loop included:
+
+    python -m benchmarks.trace_round --target SmolLM2-135M-Instruct.Q4_1.gguf \
+        --draft longspec_jax/drafts/smollm2_135m --prompts infer/eval_sets/smollm2/code_completion.jsonl \
+        --modes auto,longspec --tree-widths 16,8 --temperature 1 --new-tokens 128 --warm-up 6
 """
 
 from __future__ import annotations
@@ -120,31 +131,48 @@ def with_graphs_while_profiling(xla_flags: str) -> str:
     return f"{xla_flags} --{GRAPHS_WHILE_PROFILING}=true".strip()
 
 
+def load(args):
+    """(target, draft, prompt token ids): random weights of SmolLM2's shape, or --target's."""
+    from benchmarks.decode_kernels import eval_prompt, setup, with_vocabulary
+    from longspec_jax.draft_io import inference_draft
+    from longspec_jax.target import load_target
+
+    if args.target is None:
+        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights=True)
+        return target, with_vocabulary(draft, args.candidate_tokens or "all"), prompt
+    if args.prompts is None:
+        raise SystemExit("--target needs --prompts FILE.jsonl (an eval set's prompts, infer.build_eval_sets)")
+    target = load_target(args.target, dtype="bfloat16")
+    draft = inference_draft(target, args.draft)
+    if draft is not None:
+        draft = with_vocabulary(draft, args.candidate_tokens or "saved")
+    return target, draft, eval_prompt(args.prompts, args.prompt_index)
+
+
 def record(
     out: Path,
-    prompt_tokens: int,
+    target,
+    draft,
+    prompt: list[int],
+    modes: tuple[str, ...],
     new_tokens: int,
-    fused_projections: bool,
     tree_widths=None,
     temperature: float = 0.0,
-    op_by_op: bool = False,
-    candidate_tokens: str = "all",
+    warm_up: int = 1,
 ) -> dict[str, Path]:
-    if not op_by_op:  # read by XLA when jax starts its backend, which importing jax below does not yet
-        os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
+    """Each mode's request traced after `warm_up` untimed ones -> {mode: (trace path, rounds)}."""
     import jax
 
-    from benchmarks.decode_kernels import setup, with_vocabulary
     from longspec_jax.generation import Generator
 
-    target, draft, prompt = setup(small=False, prompt_tokens=prompt_tokens, random_weights=True)
-    draft = with_vocabulary(draft, candidate_tokens)
-    target.model.fused_projections = fused_projections
     traces = {}
-    for mode in ("longspec", "ar"):
+    for mode in modes:
+        if mode != "ar" and draft is None:
+            raise SystemExit(f"mode {mode} needs a draft: pass --draft PATH")
         widths = tree_widths if mode == "longspec" else None
-        generator = Generator(target, draft if mode == "longspec" else None, mode=mode, tree_widths=widths)
-        generator.generate([prompt], max_new_tokens=new_tokens, temperature=temperature)
+        generator = Generator(target, None if mode == "ar" else draft, mode=mode, tree_widths=widths)
+        for _ in range(warm_up):
+            generator.generate([prompt], max_new_tokens=new_tokens, temperature=temperature)
         with jax.profiler.trace(str(out / mode), create_perfetto_trace=True):
             result = generator.generate([prompt], max_new_tokens=new_tokens, temperature=temperature)
         print(mode, result.stats.line())
@@ -164,24 +192,34 @@ def main(argv=None) -> None:
     parser.add_argument("--tree-widths", type=lambda s: tuple(int(w) for w in s.split(",")), help="e.g. 1 or 4,16,16")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
-        "--candidate-tokens", default="all", help="the draft's vocabulary: all, or N (the first N token ids)"
+        "--candidate-tokens",
+        help="the draft's vocabulary: saved (--draft's default), all (random weights' default), or N (the first N ids)",
     )
     parser.add_argument(
         "--op-by-op", action="store_true", help="profile as XLA does by default: every kernel launched from the host"
     )
+    parser.add_argument("--target", help="a checkpoint directory or .gguf (default: random weights of SmolLM2's shape)")
+    parser.add_argument("--draft", help="with --target: its LongSpec draft")
+    parser.add_argument("--prompts", type=Path, help="with --target: an eval set's .jsonl")
+    parser.add_argument("--prompt-index", type=int, default=0)
+    parser.add_argument("--modes", default="longspec,ar", help="of: longspec, ar, auto (auto: with --target)")
+    parser.add_argument("--warm-up", type=int, default=1, help="untimed requests per mode before the traced one")
     args = parser.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = sorted(set(modes) - {"longspec", "ar", "auto"})
+    if unknown or not modes:
+        raise SystemExit(f"--modes: {', '.join(unknown) or 'none given'}; choose from longspec, ar, auto")
+    if "auto" in modes and args.target is None:
+        raise SystemExit("--modes auto needs --target: with a random draft the policy runs AR alone")
     if args.summarise:
         traces = {args.summarise.name: (args.summarise, args.rounds)}
     else:
+        if not args.op_by_op:  # read by XLA when jax starts its backend, which nothing has done yet
+            os.environ["XLA_FLAGS"] = with_graphs_while_profiling(os.environ.get("XLA_FLAGS", ""))
+        target, draft, prompt = load(args)
+        target.model.fused_projections = args.fused_projections
         traces = record(
-            args.out,
-            args.prompt_tokens,
-            args.new_tokens,
-            args.fused_projections,
-            args.tree_widths,
-            args.temperature,
-            args.op_by_op,
-            args.candidate_tokens,
+            args.out, target, draft, prompt, modes, args.new_tokens, args.tree_widths, args.temperature, args.warm_up
         )
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))

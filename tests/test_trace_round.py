@@ -1,8 +1,16 @@
-"""benchmarks/trace_round.py's summary of a profiler trace, on a hand-made trace."""
+"""benchmarks/trace_round.py: its summary of a profiler trace (on hand-made traces), its options, and
+that it traces a saved model's modes on an eval prompt (CPU)."""
+
+import argparse
+import json
 
 import pytest
 
+from benchmarks import trace_round
 from benchmarks.trace_round import kernel_class, summarise, top_kernels, with_graphs_while_profiling
+from longspec_jax.draft_io import init_draft
+from longspec_jax.target import load_target
+from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
 
 def trace(*kernels):
@@ -76,3 +84,35 @@ def test_the_trace_keeps_command_buffers_unless_the_flags_say_otherwise():
     ]
     chosen = "--xla_enable_command_buffers_during_profiling=false"
     assert with_graphs_while_profiling(chosen) == chosen
+
+
+def test_bad_mode_lists_and_auto_without_real_weights_are_refused():
+    with pytest.raises(SystemExit, match="choose from longspec, ar, auto"):
+        trace_round.main(["--modes", "ar,beam"])
+    with pytest.raises(SystemExit, match="auto needs --target"):
+        trace_round.main(["--modes", "auto"])
+    with pytest.raises(SystemExit, match="needs --prompts"):
+        trace_round.main(["--target", "some/checkpoint", "--modes", "ar"])
+
+
+def test_a_saved_model_is_traced_in_each_mode_on_an_eval_prompt(tmp_path):
+    """On the CPU the trace holds no GPU kernels to summarise; what is checked is that real weights,
+    a saved draft and an eval prompt load, and that every mode, auto included, decodes under the
+    profiler and leaves a trace beside its rounds."""
+    target_dir = save_tiny_checkpoint(tmp_path / "target", tiny_config(), seed=3)
+    draft_dir = init_draft(load_target(target_dir), seed=1).save(tmp_path / "draft")
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt_ids": list(range(5 + i, 45 + i))}) for i in range(2)) + "\n")
+    args = argparse.Namespace(
+        target=str(target_dir), draft=str(draft_dir), prompts=prompts, prompt_index=1, candidate_tokens=None
+    )
+    target, draft, prompt = trace_round.load(args)
+    assert prompt == list(range(6, 46)) and draft is not None
+    traces = trace_round.record(
+        tmp_path / "traces", target, draft, prompt, ("auto", "ar", "longspec"), 12, (2, 2), temperature=1.0
+    )
+    assert list(traces) == ["auto", "ar", "longspec"]
+    assert traces["ar"][1] == 11  # one token a round after the prefill's
+    assert all(0 < rounds <= 11 for _, rounds in traces.values())
+    for path, _ in traces.values():
+        assert path.is_file() and path.name == "perfetto_trace.json.gz"
