@@ -172,6 +172,8 @@ def run_benchmark(
         )
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")
+    if draft is None and any(parse_mode_spec(spec)[0] == "auto" for spec in generators):
+        log("mode auto runs without a draft (AR and prompt lookup only): pass --draft PATH for LongSpec trees")
 
     window = target.config.max_position_embeddings
     warmed: set[tuple[str, int, float]] = set()

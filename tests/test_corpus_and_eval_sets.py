@@ -385,6 +385,20 @@ def test_plot_from_runs_files_takes_tau_from_the_second(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_benchmark_says_when_mode_auto_has_no_draft(tmp_path, capsys):
+    """A target without a draft (any checkpoint passed without --draft) runs mode auto with AR and
+    prompt lookup alone; the benchmark says so rather than report that as LongSpec's speed."""
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=1)
+    common = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--tasks", "code_completion"]
+    assert benchmark.main([*common, "--modes", "auto", "--max-new-tokens", "4"]) == 0
+    assert "mode auto runs without a draft" in capsys.readouterr().err
+    assert benchmark.main([*common, "--modes", "ar", "--max-new-tokens", "4"]) == 0
+    assert "without a draft" not in capsys.readouterr().err
+
+
 def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp_path):
     from longspec_jax.draft_io import init_draft
     from longspec_jax.target import load_target
