@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         from longspec_jax.generation import Generator
 
         _, items = load_eval_sets(args.eval_dir, args.tasks.split(","), args.limit)
-        target, draft = load_models(args.target, args.draft, args.dtype, args.mode == "longspec")
-        exact_target = target if args.dtype == "float32" else load_models(args.target, None, "float32", False)[0]
+        target, draft, _ = load_models(args.target, args.draft, None, args.dtype, args.mode == "longspec")
+        exact_target = target if args.dtype == "float32" else load_models(args.target, None, None, "float32", False)[0]
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -117,6 +117,7 @@ def run_benchmark(
     draft,
     items: list[dict],
     *,
+    sampling_draft=None,
     modes,
     temperatures,
     max_new_tokens: int,
@@ -138,7 +139,7 @@ def run_benchmark(
     benchmark: their (prompt, mode, temperature) are not run again (and are not in "runs").
     modes: mode names, or `parse_mode_spec`'s "MODE:W1-W2-..." for a mode with its own tree.
     tree_widths: a plain "longspec"'s tree (default: the engine's); each record of a mode with a tree
-    carries the one used."""
+    carries the one used. sampling_draft: the draft of the draft modes' sampled runs (default: draft)."""
     from longspec_jax import acceptance_memory
     from longspec_jax.decode_kit import plan_lengths
     from longspec_jax.generation import Generator
@@ -161,11 +162,14 @@ def run_benchmark(
                 continue
         impl = ar_attn_impl if mode == "ar" and ar_attn_impl else attn_impl
         spec_draft = draft if mode in ("longspec", "auto") else None
+        spec_sampling_draft = (sampling_draft or draft) if mode in ("longspec", "auto") else None
         if spec_draft is not None and full_vocabulary(spec):
             spec_draft = spec_draft.with_candidate_tokens(None)
+            spec_sampling_draft = spec_sampling_draft.with_candidate_tokens(None)
         generators[spec] = Generator(
             target,
             spec_draft,
+            sampling_draft=spec_sampling_draft,
             mode=mode,
             attn_impl=impl,
             tree_widths=widths,
@@ -406,8 +410,12 @@ def _csv(text: str, cast, what: str) -> list:
     return values
 
 
-def load_models(target_path: str | None, draft_path: str | None, dtype: str, want_draft: bool):
-    """(target, draft or None). Without --draft a target's shipped draft (the embedded SmolLM2's) is used."""
+def load_models(
+    target_path: str | None, draft_path: str | None, sampling_draft_path: str | None, dtype: str, want_draft: bool
+):
+    """(target, draft or None, sampling draft or None). Without --draft a target's shipped draft (the
+    embedded SmolLM2's) is used; without --sampling-draft, --draft where given, else the target's
+    shipped sampling draft."""
     import jax
 
     from longspec_jax.draft_io import inference_draft
@@ -416,7 +424,12 @@ def load_models(target_path: str | None, draft_path: str | None, dtype: str, wan
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     target = load_target(target_path, dtype=dtype)
-    return target, inference_draft(target, draft_path) if want_draft else None
+    if not want_draft:
+        return target, None, None
+    draft = inference_draft(target, draft_path)
+    if sampling_draft_path is None and draft_path is not None:
+        return target, draft, draft
+    return target, draft, inference_draft(target, sampling_draft_path, sampling=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -424,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-dir", type=Path, help="folder made by infer.build_eval_sets")
     p.add_argument("--target", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft (default for the embedded target: the shipped draft)")
+    p.add_argument(
+        "--sampling-draft",
+        help="the draft of sampled runs (default: --draft where given, else the target's shipped sampling draft)",
+    )
     p.add_argument(
         "--modes",
         default="ar,pld,longspec",
@@ -495,7 +512,9 @@ def run(args: argparse.Namespace) -> dict:
 
     tree_widths = parse_tree_widths(args.tree_widths)
     manifest, items = load_eval_sets(args.eval_dir, tasks, args.limit)
-    target, draft = load_models(args.target, args.draft, args.dtype, bool({"longspec", "auto"} & mode_names))
+    target, draft, sampling_draft = load_models(
+        args.target, args.draft, args.sampling_draft, args.dtype, bool({"longspec", "auto"} & mode_names)
+    )
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "
@@ -521,6 +540,7 @@ def run(args: argparse.Namespace) -> dict:
             target,
             draft,
             items,
+            sampling_draft=sampling_draft,
             modes=modes,
             temperatures=temperatures,
             max_new_tokens=args.max_new_tokens,
@@ -548,6 +568,7 @@ def run(args: argparse.Namespace) -> dict:
             "eval_dir": str(args.eval_dir),
             "target": args.target or "embedded SmolLM2-135M-Instruct",
             "draft": args.draft,
+            "sampling_draft": args.sampling_draft,
             "dtype": str(target.dtype),
             "modes": modes,
             "temperatures": temperatures,

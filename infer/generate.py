@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="LongSpec draft checkpoint (default: the one shipped for the target, if any)")
     p.add_argument(
+        "--sampling-draft",
+        help="the draft when sampling (--temperature > 0; default: --draft where given, else the one shipped "
+        "for the target to sample with, else the shipped draft)",
+    )
+    p.add_argument(
         "--mode",
         choices=(*MODES, AUTO_MODE),
         default=DEFAULT_MODE,
@@ -176,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     tree_widths = parse_tree_widths(args.tree_widths)
     if args.draft and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--draft applies to --mode longspec only: drop it or pass --mode longspec")
+    if args.sampling_draft and args.mode not in ("longspec", AUTO_MODE):
+        raise UserError("--sampling-draft applies to --mode longspec only: drop it or pass --mode longspec")
     if args.full_draft_vocabulary and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
@@ -189,11 +196,21 @@ def run(args: argparse.Namespace) -> int:
     if target.tokenizer is None:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
     draft = inference_draft(target, args.draft) if args.draft else None
+    sampling_draft = inference_draft(target, args.sampling_draft) if args.sampling_draft else None
     if args.full_draft_vocabulary:
+        sampling_draft = sampling_draft or draft or inference_draft(target, sampling=True)
         draft = draft or inference_draft(target)
         draft = None if draft is None else draft.with_candidate_tokens(None)
+        sampling_draft = None if sampling_draft is None else sampling_draft.with_candidate_tokens(None)
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
-    generator = Generator(target, draft, mode=args.mode, attn_impl=args.attn_impl, tree_widths=tree_widths)
+    generator = Generator(
+        target,
+        draft,
+        sampling_draft=sampling_draft,
+        mode=args.mode,
+        attn_impl=args.attn_impl,
+        tree_widths=tree_widths,
+    )
     if tree_widths and generator.mode == "ar":
         raise UserError("--tree-widths needs a draft (or --mode pld): this target has no shipped draft, pass --draft")
     if tty_err:

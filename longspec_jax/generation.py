@@ -156,39 +156,65 @@ class Generator:
     `proposer` / `proposer_params` (proposers.py) are what the mode proposes each round.
     """
 
-    def __init__(self, target, draft=None, *, mode: str = DEFAULT_MODE, attn_impl: str | None = None, tree_widths=None):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        sampling_draft=None,
+        mode: str = DEFAULT_MODE,
+        attn_impl: str | None = None,
+        tree_widths=None,
+    ):
+        """draft: the LongSpec draft (default: the one shipped for the target, if any);
+        sampling_draft: the one for requests that sample (default: `draft` when one is given, else
+        the target's shipped sampling draft, else the shipped draft)."""
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
-        if mode in ("longspec", AUTO_MODE) and draft is None:
-            draft = inference_draft(target)  # the shipped one, if any
+        if mode in ("longspec", AUTO_MODE):
+            if sampling_draft is None:
+                sampling_draft = draft if draft is not None else inference_draft(target, sampling=True)
+            if draft is None:
+                draft = inference_draft(target)  # the shipped one, if any
         if mode == AUTO_MODE and tree_widths is not None:
             mode = "longspec"  # a fixed tree was asked for
         self.target = target
         self.draft = draft
+        self.sampling_draft = sampling_draft if mode in ("longspec", AUTO_MODE) else None
         self.mode = mode
         self.attn_impl = attention.default_impl() if attn_impl is None else attn_impl
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
-        self._adaptive: dict[tuple, tuple] = {}
-        self._fingerprint: str | None = None  # of the weights, for mode auto's acceptance memory
+        self._proposers: dict[tuple, tuple] = {}  # (plan or mode, sampled) -> (proposer, parameters)
+        self._fingerprints: dict[bool, str] = {}  # of the weights, for mode auto's acceptance memory
         self._memory_keys: dict[tuple, str] = {}  # acceptance_key's answers
         self._programs: dict[tuple, Any] = {}  # compiled programs by shape (loop_programs, run_prefill)
         self._sampling: dict[SamplingSettings, SamplingParams] = {}
         if mode == AUTO_MODE:
             self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
-        else:
+        else:  # the mode's with `draft`, built now so that a missing draft is an error before any request
             self.proposer, self.proposer_params = proposer_for(mode, target, draft, self.tree_widths)
 
+    def draft_for(self, sampling: SamplingSettings):
+        """The draft a request with these sampling settings decodes with (None: none)."""
+        return self.draft if sampling.greedy else self.sampling_draft
+
     def proposer_for_request(self, request: DecodeRequest, batch: int):
-        """(proposer, its parameters): the mode's, or for mode "auto" the adaptive set that fits the
-        request's sampling and batch size (built once per plan)."""
+        """(proposer, its parameters): the mode's with the request's draft, or for mode "auto" the
+        adaptive set that fits the request's sampling and batch size (built once per plan)."""
+        draft = self.draft_for(request.sampling)
         if self.proposer is not None:
-            return self.proposer, self.proposer_params
-        plan = candidate_plan(self.draft is not None, request.sampling.greedy, batch)
-        if plan not in self._adaptive:
-            self._adaptive[plan] = adaptive_proposer(self.target, self.draft, plan)
-        return self._adaptive[plan]
+            if draft is self.draft:
+                return self.proposer, self.proposer_params
+            if (self.mode, True) not in self._proposers:
+                self._proposers[(self.mode, True)] = proposer_for(self.mode, self.target, draft, self.tree_widths)
+            return self._proposers[(self.mode, True)]
+        sampled = not request.sampling.greedy
+        plan = candidate_plan(draft is not None, request.sampling.greedy, batch)
+        if (plan, sampled) not in self._proposers:
+            self._proposers[(plan, sampled)] = adaptive_proposer(self.target, draft, plan)
+        return self._proposers[(plan, sampled)]
 
     def acceptance_key(self, proposer: Adaptive, request: DecodeRequest, batch: int) -> str:
         """The key of what mode auto's candidates kept in earlier requests of this kind
@@ -196,12 +222,15 @@ class Generator:
         the sampling settings (worked out once per kind: hashing it is host time every request)."""
         kind = (proposer.names, batch, request.sampling)
         if kind not in self._memory_keys:
-            if self._fingerprint is None:
-                draft = None if self.draft is None else nnx.state(self.draft.block)
-                self._fingerprint = weights_fingerprint((self.params, draft))
-            vocabulary = None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens)
+            draft = self.draft_for(request.sampling)
+            sampled = not request.sampling.greedy
+            if sampled not in self._fingerprints:
+                self._fingerprints[sampled] = weights_fingerprint(
+                    (self.params, None if draft is None else nnx.state(draft.block))
+                )
+            vocabulary = None if draft is None else candidate_tokens_key(draft.candidate_tokens)
             self._memory_keys[kind] = memory_key(
-                weights=self._fingerprint,
+                weights=self._fingerprints[sampled],
                 draft_vocabulary=vocabulary,
                 candidates=proposer.names,
                 batch=batch,
@@ -261,7 +290,9 @@ class Generator:
         (last_logits, cache), seconds = timed(self._programs[key], *args)
         return last_logits, cache, seconds, compile_s
 
-    def loop_programs(self, proposer, proposer_params, new_bucket: int, cache_len: int, start_args) -> _LoopPrograms:
+    def loop_programs(
+        self, proposer, proposer_params, new_bucket: int, cache_len: int, start_args, draft
+    ) -> _LoopPrograms:
         """The loop's programs for these shapes, built once per Generator and shape: keying the
         process-wide compile cache hashes the graph definitions and tracing `start` for its
         output's shapes takes milliseconds of host time, which a request should not pay again."""
@@ -288,8 +319,8 @@ class Generator:
             calibration = calibration_key(
                 target=repr(self.target.config),
                 dtype=str(self.target.dtype),
-                draft=None if self.draft is None else repr(self.draft.config),
-                draft_vocabulary=None if self.draft is None else candidate_tokens_key(self.draft.candidate_tokens),
+                draft=None if draft is None else repr(draft.config),
+                draft_vocabulary=None if draft is None else candidate_tokens_key(draft.candidate_tokens),
                 batch=start_args[3].shape[0],
                 cache_rows=cache_len,
                 new_bucket=new_bucket,
@@ -322,7 +353,8 @@ class Generator:
             jax.random.key(request.seed),
             stop,
         )
-        programs = self.loop_programs(proposer, proposer_params, new_bucket, cache_len, start_args)
+        draft = self.draft_for(request.sampling)
+        programs = self.loop_programs(proposer, proposer_params, new_bucket, cache_len, start_args, draft)
         state_shape, loop = programs.state_shape, programs.loop
         compile_s += programs.compile_s
         if request.stream is not None:
@@ -403,6 +435,7 @@ def generate(
     *,
     mode: str = DEFAULT_MODE,
     draft=None,
+    sampling_draft=None,
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -416,8 +449,11 @@ def generate(
     profile: bool = False,
 ) -> GenerationResult:
     """Generate from a target: prompt_ids is list[int] (one prompt) or list[list[int]] (a batch;
-    lengths may differ), or text when the target has a tokenizer. See `Generator.generate`."""
-    return Generator(target, draft, mode=mode, attn_impl=attn_impl, tree_widths=tree_widths).generate(
+    lengths may differ), or text when the target has a tokenizer. See `Generator` and `Generator.generate`."""
+    generator = Generator(
+        target, draft, sampling_draft=sampling_draft, mode=mode, attn_impl=attn_impl, tree_widths=tree_widths
+    )
+    return generator.generate(
         prompt_ids,
         max_new_tokens=max_new_tokens,
         temperature=temperature,

@@ -25,15 +25,24 @@ def _forward_logits(graphdef, params, tokens):
 
 class Target:
     """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`,
-    and `.shipped_draft`: the directory of the draft this project ships for it (None for most targets;
-    `load_target` sets it for a GGUF whose bytes are the embedded SmolLM2's, whatever its path)."""
+    `.shipped_draft`: the directory of the draft this project ships for it (None for most targets;
+    `load_target` sets it for a GGUF whose bytes are the embedded SmolLM2's, whatever its path), and
+    `.shipped_sampling_draft`: the one it ships for sampling (None: the shipped draft samples too)."""
 
-    def __init__(self, config: ModelConfig, model: Transformer, tokenizer=None, shipped_draft: Path | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: Transformer,
+        tokenizer=None,
+        shipped_draft: Path | None = None,
+        shipped_sampling_draft: Path | None = None,
+    ):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = model.dtype
         self.shipped_draft = shipped_draft
+        self.shipped_sampling_draft = shipped_sampling_draft
 
     def decode_model(self) -> Transformer:
         """The model in its inference layout (`Transformer.inference_layout`), built on first use and
@@ -77,14 +86,20 @@ def random_target(config: ModelConfig, *, seed: int = 0, dtype="float32") -> Tar
 
 def _load_gguf(path: Path, dtype) -> Target:
     from longspec_jax.checkpoint_gguf import read_gguf
-    from longspec_jax.embedded import shipped_draft_for_gguf
+    from longspec_jax.embedded import shipped_draft_for_gguf, shipped_sampling_draft_for_gguf
     from longspec_jax.tokenizer import load_tokenizer
 
     hf_config, tensors = read_gguf(path)
     config = ModelConfig.from_hf_dict(hf_config)
     model = model_from_hf_tensors(config, tensors, dtype)
     # Matched by content: the embedded SmolLM2 copied or linked elsewhere still gets its draft.
-    return Target(config, model, load_tokenizer(path), shipped_draft=shipped_draft_for_gguf(path))
+    return Target(
+        config,
+        model,
+        load_tokenizer(path),
+        shipped_draft=shipped_draft_for_gguf(path),
+        shipped_sampling_draft=shipped_sampling_draft_for_gguf(path),
+    )
 
 
 def _hf_tokenizer(directory: Path):

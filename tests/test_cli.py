@@ -120,6 +120,7 @@ def bad_prompt_files(tmp_path):
         (["--prompt-file", "{tmp}/long.txt", "--target", "{tmp}/no_such_model"], "does not exist"),
         (["--prompt-file", "{tmp}/long.txt", "--tree-widths", "4,x"], "--tree-widths"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--draft", "{tmp}"], "--mode longspec only"),
+        (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--sampling-draft", "{tmp}"], "--mode longspec only"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--tree-widths", "4,16"], "longspec or pld only"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--full-draft-vocabulary"], "a draft's modes"),
         # auto mode on a target without a shipped draft decodes AR, where tree widths mean nothing
