@@ -10,6 +10,10 @@ that keep the same tokens a round (mode auto running one tree, and that tree as 
 told apart by what they cost a round and a request. A mode is any of infer.benchmark's --modes
 entries (ar, auto, pld, longspec, longspec:4-4-4, ...).
 
+Per mode it also times the host driver's steps of a request (`driver_steps`: the prefill call,
+mode auto's calibration lookup and policy set-up, each read of the progress back), since what a
+request costs besides its rounds is mostly such host work.
+
 Part 2 (random weights only): one compiled call with many argument leaves (weights, a donated
 cache, a while loop of a few tiny rounds), to see what the number of buffers a call passes costs.
 
@@ -22,6 +26,7 @@ cache, a while loop of a few tiny rounds), to see what the number of buffers a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import time
@@ -36,6 +41,44 @@ from longspec_jax import generation
 from longspec_jax.draft_io import init_draft
 from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import random_target
+
+DRIVER_STEPS = ("run_prefill", "calibrated", "with_remembered", "read")
+
+
+@contextlib.contextmanager
+def driver_steps():
+    """Within it every call of the generation driver's steps (DRIVER_STEPS) is timed: yields
+    {step: [milliseconds of each call]}."""
+    times = {name: [] for name in DRIVER_STEPS}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name].append(1e3 * (time.perf_counter() - start))
+
+        return call
+
+    owners = {
+        "run_prefill": generation.Generator,
+        "calibrated": generation,
+        "with_remembered": generation,
+        "read": generation._Progress,
+    }
+    originals = {name: vars(owners[name]).get(name) for name in DRIVER_STEPS}
+    originals = {name: fn for name, fn in originals.items() if fn is not None}  # a stand-in Generator lacks some
+    try:
+        for name, fn in originals.items():
+            if isinstance(fn, classmethod):
+                setattr(owners[name], name, classmethod(timed(name, fn.__func__)))
+            else:
+                setattr(owners[name], name, timed(name, fn))
+        yield times
+    finally:
+        for name, original in originals.items():
+            setattr(owners[name], name, original)
 
 
 def length_points(gen, prompts, new_tokens, repeats: int, **request) -> tuple[list[dict], Any]:
@@ -78,13 +121,15 @@ def random_prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
 def per_request(
     target, draft, prompts, mode: str, new_tokens=(130, 256), repeats=3, *, widths=None, warm_up: int = 1, **request
 ) -> dict:
-    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms"} of one mode (and
+    """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms", "driver_steps_ms"} of one mode (and
     tree `widths`) on `prompts` (`length_points` at the shortest length, the slope between the
     two). warm_up: untimed requests first (compiles and calibrates; a GPU builds its graphs over a
     process's first calls). request: generate's sampling settings (temperature, seed)."""
     gen = generation.Generator(target, draft, mode=mode, tree_widths=widths)
     for _ in range(warm_up):
         gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=(), **request)
+    with driver_steps() as steps:
+        length_points(gen, prompts, new_tokens[:1], repeats, eos_token_ids=(), **request)
     points, result = length_points(gen, prompts, new_tokens, repeats, eos_token_ids=(), **request)
     slope, shortest = marginal_round_s(points), points[0]
     policy = result.stats.policy.get("candidates", {}) if result.stats.policy else {}
@@ -95,6 +140,8 @@ def per_request(
         "wall_extra_ms": 1e3 * shortest["wall_s"],
         "calibrated_ms": {name: c["ms_per_round"] for name, c in policy.items()},
         "rounds": [p["rounds"] for p in points],
+        # per request: each step's calls summed, the mean over the timed requests
+        "driver_steps_ms": {name: sum(times) / repeats for name, times in steps.items() if times},
     }
 
 
@@ -196,7 +243,9 @@ def main(argv=None) -> dict:
                 f"batch {batch} {spec}: {r['round_ms']:.3f} ms a round, {r['fixed_ms']:.2f} ms a request besides "
                 f"(decode_s; {r['before_loop_ms']:.2f} before the loop's call), "
                 f"{r['wall_extra_ms']:.2f} ms of host time outside it; rounds {r['rounds']}"
-                + (f"; calibrated ms a round: {calibrated}" if calibrated else ""),
+                + (f"; calibrated ms a round: {calibrated}" if calibrated else "")
+                + "; driver steps, ms a request: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in r["driver_steps_ms"].items()),
                 flush=True,
             )
     for weights, cache, rounds in calls:

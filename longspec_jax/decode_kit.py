@@ -285,6 +285,35 @@ def compiled(jitted, *args, **static) -> tuple[Any, float]:
     return _COMPILED[key], time.perf_counter() - start
 
 
+@jax.jit
+def _packed(leaves):
+    """Every leaf (32-bit or bool arrays) as int32 words in one flat vector."""
+    words = [
+        jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32 else x.astype(jnp.int32) for x in leaves
+    ]
+    return jnp.concatenate([w.reshape(-1) for w in words])
+
+
+def fetch(tree):
+    """jax.device_get(tree) in one device-to-host copy: a GPU pays ~0.1-0.2 ms per array read back
+    (H200: reading a decode's progress and mode auto's policy, 18 small arrays, took 2.3 ms), so the
+    leaves (int32, float32 or bool) are packed into one int32 vector on the device and unpacked here."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    for x in leaves:
+        if x.dtype not in (jnp.int32, jnp.float32, jnp.bool_):
+            raise TypeError(f"fetch packs int32, float32 and bool arrays, not {x.dtype}")
+    words = np.asarray(_packed(leaves))
+    out, at = [], 0
+    for x in leaves:
+        n = math.prod(x.shape)
+        chunk = words[at : at + n].reshape(x.shape)
+        at += n
+        out.append(chunk.view(np.float32) if x.dtype == jnp.float32 else chunk.astype(x.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
 def timed(fn, *args):
     """(fn(*args) after block_until_ready, seconds)."""
     start = time.perf_counter()

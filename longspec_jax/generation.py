@@ -51,6 +51,7 @@ from longspec_jax.decode_kit import (
     cache_bytes,
     check_prompts,
     compiled,
+    fetch,
     finish_tokens,
     make_stats,
     normalize_prompts,
@@ -135,7 +136,7 @@ class _Progress:
     @classmethod
     def read(cls, state: LoopState) -> _Progress:
         policy = state.proposal.policy if isinstance(state.proposal, AdaptiveState) else None
-        out, n_new, done, rounds, active, policy = jax.device_get(
+        out, n_new, done, rounds, active, policy = fetch(
             (state.out, state.n_new, state.done, state.rounds, state.active_rounds, policy)
         )
         return cls(out, n_new, done, int(rounds), int((n_new - 1).sum()), int(active.sum()), policy)

@@ -273,3 +273,23 @@ def test_bucket_lengths():
     assert [bucket_length(n) for n in sizes] == [16, 16, 32, 256, 256, 320, 320, 384, 2560, 3072, 4096, 5120, 8192]
     for n in range(1, 9000, 7):  # never shorter, padding under 25 % past the small buckets
         assert n <= bucket_length(n) and (n <= 256 or bucket_length(n) < 1.25 * n + 1)
+
+
+def test_fetch_reads_a_tree_back_in_one_copy_as_device_get_does():
+    from longspec_jax.decode_kit import fetch
+
+    tree = {
+        "out": jnp.arange(12, dtype=jnp.int32).reshape(3, 4) - 5,
+        "done": jnp.asarray([True, False, True]),
+        "rounds": jnp.asarray(7, jnp.int32),
+        "estimates": jnp.asarray([1.5, -0.0, jnp.inf, jnp.nan, 3e-39], jnp.float32),  # a subnormal too
+        "none": None,
+    }
+    got, want = fetch(tree), jax.device_get(tree)
+    assert got["none"] is None
+    for name in ("out", "done", "rounds", "estimates"):
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        np.testing.assert_array_equal(got[name], want[name])
+    assert np.signbit(got["estimates"][1])  # bit for bit, not value for value
+    with pytest.raises(TypeError, match="int32, float32 and bool"):
+        fetch(jnp.zeros((2,), jnp.bfloat16))

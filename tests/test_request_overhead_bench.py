@@ -23,6 +23,12 @@ def test_small_run_reports_every_mode_and_the_call_costs(capsys):
     assert set(auto["calibrated_ms"]) >= {"ar", "pld 10"} and all(v > 0 for v in auto["calibrated_ms"].values())
     assert [c["rounds"] for c in report["calls"]] == [0, 1] and all(c["ms"] > 0 for c in report["calls"])
     assert "ms a round" in out and "one call" in out
+    for r in report["requests"]:  # the driver's steps were timed, and untouched afterwards
+        steps = r["driver_steps_ms"]
+        assert {"run_prefill", "read"} <= set(steps) and all(v > 0 for v in steps.values())
+        assert ("with_remembered" in steps) == (r["mode"] == "auto")
+    assert request_overhead.generation._Progress.read.__qualname__ == "_Progress.read"
+    assert request_overhead.generation.calibrated.__module__ == "longspec_jax.calibration"
 
 
 def test_the_fit_reproduces_a_linear_cost(monkeypatch):
