@@ -5,10 +5,11 @@ in the fixed mode and in mode auto, and keeps each one's acceptance memory apart
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
-from longspec_jax import acceptance_memory
+from longspec_jax import acceptance_memory, generation
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import inference_draft, init_draft
 from longspec_jax.generation import Generator
@@ -40,9 +41,15 @@ PROMPTS = [[3, 17, 9, 40, 22, 5, 31, 8, 12, 44, 1, 27, 19], [6, 30, 2, 11, 38, 2
 
 @pytest.fixture(autouse=True)
 def no_memory_between_requests(monkeypatch, tmp_path):
-    """Mode auto starts each request from what earlier ones kept (acceptance_memory.py): here every
-    request starts afresh, so that two Generators' runs compare."""
+    """Mode auto starts each request from what earlier ones kept (acceptance_memory.py) and times
+    its candidates on the first request of a kind (calibration.py): here every request starts
+    afresh from fixed costs (a draft round at half an AR step's), so that two Generators' runs compare."""
     monkeypatch.setattr(acceptance_memory, "memory_folder", lambda: None)
+
+    def fixed_costs(state, run, names, key):
+        return state, np.asarray([1.0] + [0.5] * (len(names) - 1)), "kept"
+
+    monkeypatch.setattr(generation, "calibrated", fixed_costs)
     acceptance_memory.forget_memory()
     yield
     acceptance_memory.forget_memory()
