@@ -33,7 +33,7 @@ print(json.dumps({
 
 def run_child(cache: Path) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(LONGSPEC_CACHE=str(cache), JAX_PLATFORMS="cpu")
+    env.update(LONGSPEC_CACHE=str(cache), JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="true")
     result = subprocess.run(
         [sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
