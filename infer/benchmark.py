@@ -418,7 +418,7 @@ def load_models(
     shipped sampling draft."""
     import jax
 
-    from longspec_jax.draft_io import inference_draft
+    from longspec_jax.draft_io import inference_draft, sampling_draft_for
     from longspec_jax.target import load_target
 
     if dtype == "auto":
@@ -427,9 +427,8 @@ def load_models(
     if not want_draft:
         return target, None, None
     draft = inference_draft(target, draft_path)
-    if sampling_draft_path is None and draft_path is not None:
-        return target, draft, draft
-    return target, draft, inference_draft(target, sampling_draft_path, sampling=True)
+    given = None if sampling_draft_path is None else inference_draft(target, sampling_draft_path)
+    return target, draft, sampling_draft_for(target, draft if draft_path is not None else None, given)
 
 
 def build_parser() -> argparse.ArgumentParser:

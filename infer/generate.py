@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 from longspec_jax.attention import IMPLS
-from longspec_jax.draft_io import inference_draft
+from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import UserError
 from longspec_jax.generation import AUTO_MODE, DEFAULT_MODE, MODES, Generator
 from longspec_jax.target import load_target
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     draft = inference_draft(target, args.draft) if args.draft else None
     sampling_draft = inference_draft(target, args.sampling_draft) if args.sampling_draft else None
     if args.full_draft_vocabulary:
-        sampling_draft = sampling_draft or draft or inference_draft(target, sampling=True)
+        sampling_draft = sampling_draft_for(target, draft, sampling_draft)
         draft = draft or inference_draft(target)
         draft = None if draft is None else draft.with_candidate_tokens(None)
         sampling_draft = None if sampling_draft is None else sampling_draft.with_candidate_tokens(None)

@@ -121,6 +121,14 @@ def inference_draft(target, path: str | Path | None = None, *, sampling: bool = 
     return draft if jax.tree.leaves(draft.block)[0].dtype == target.dtype else draft.cast(target.dtype)
 
 
+def sampling_draft_for(target, draft: Draft | None = None, sampling_draft: Draft | None = None) -> Draft | None:
+    """The draft sampled requests decode with: `sampling_draft` where given, else `draft` where
+    given, else the one shipped for the target to sample with (`inference_draft(sampling=True)`)."""
+    if sampling_draft is not None:
+        return sampling_draft
+    return draft if draft is not None else inference_draft(target, sampling=True)
+
+
 def load_draft(path: str | Path, target) -> Draft:
     """A float32 draft for `target` from our export, a reference HF draft directory or file, or a
     reference training .pth state dict (see the module docstring)."""

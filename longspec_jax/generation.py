@@ -61,7 +61,7 @@ from longspec_jax.decode_kit import (
     timed,
 )
 from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start
-from longspec_jax.draft_io import inference_draft
+from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import GenerationInterrupted, UserError
 from longspec_jax.proposers import proposer_for
 from longspec_jax.round_profile import profile_round
@@ -173,8 +173,7 @@ class Generator:
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
         if mode in ("longspec", AUTO_MODE):
-            if sampling_draft is None:
-                sampling_draft = draft if draft is not None else inference_draft(target, sampling=True)
+            sampling_draft = sampling_draft_for(target, draft, sampling_draft)
             if draft is None:
                 draft = inference_draft(target)  # the shipped one, if any
         if mode == AUTO_MODE and tree_widths is not None:
