@@ -33,8 +33,10 @@ lint: $(VENV)/.dev-installed
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 
+# A worker that crashes ends the run at once (--max-worker-restart=0): pytest-xdist 3.8's loadgroup
+# scheduling hangs when it replaces a crashed worker.
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 --durations=15
 
 demo: $(VENV)/.demo-installed
 	$(PY) -m infer.generate --prompt-file examples/doc.txt

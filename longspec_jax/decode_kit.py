@@ -285,6 +285,14 @@ def compiled(jitted, *args, **static) -> tuple[Any, float]:
     return _COMPILED[key], time.perf_counter() - start
 
 
+def forget_compiled() -> None:
+    """Drop every program `compiled` and JAX's own caches hold, so their executables can be freed (a
+    process that compiles thousands of programs, such as a test run on the CPU, otherwise keeps each
+    one's code mapped until it exits)."""
+    _COMPILED.clear()
+    jax.clear_caches()
+
+
 @jax.jit
 def _packed(leaves):
     """Every leaf (32-bit or bool arrays) as int32 words in one flat vector."""
