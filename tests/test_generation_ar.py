@@ -293,3 +293,17 @@ def test_fetch_reads_a_tree_back_in_one_copy_as_device_get_does():
     assert np.signbit(got["estimates"][1])  # bit for bit, not value for value
     with pytest.raises(TypeError, match="int32, float32 and bool"):
         fetch(jnp.zeros((2,), jnp.bfloat16))
+
+
+def test_forget_compiled_drops_every_program_kept():
+    jitted = jax.jit(lambda x: x * 2 + 1)
+    x = jnp.ones((3,), jnp.float32)
+    program, seconds = decode_kit.compiled(jitted, x)
+    assert seconds > 0 and decode_kit.compiled(jitted, x) == (program, 0.0)  # kept: no second compile
+    np.testing.assert_array_equal(jitted(x), 3.0)
+    assert jitted._cache_size() == 1
+    decode_kit.forget_compiled()
+    assert jitted._cache_size() == 0  # JAX's own cache too
+    again, seconds = decode_kit.compiled(jitted, x)
+    assert again is not program and seconds > 0
+    np.testing.assert_array_equal(again(x), 3.0)
