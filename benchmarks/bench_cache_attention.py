@@ -116,7 +116,15 @@ def cache_only(kernel):
     return lambda q, k, v, lengths: (kernel(q, k, v, lengths)[0], k, v)
 
 
-def verify_kernel(config, batch: int, context: int):
+def parse_verify_config(text: str) -> dict:
+    """ "block_rows:warps:stages" of the verify kernel, or "auto" (the launch the model uses)."""
+    if text == "auto":
+        return {}
+    block_rows, warps, stages = map(int, text.split(":"))
+    return dict(block_rows=block_rows, num_warps=warps, num_stages=stages)
+
+
+def verify_kernel(config, batch: int, context: int, launch: dict):
     """The model's verify kernel as an attender: RoPE, the cache and the tree's own keys under a
     random tree mask, their K/V written at rows [context, context + T). Its q|k|v input is the
     queries with fixed new keys and values appended (one small XLA concatenation a call)."""
@@ -131,7 +139,9 @@ def verify_kernel(config, batch: int, context: int):
 
     def attend(q, k_cache, v_cache, lengths):
         qkv = jnp.concatenate([q, new_k, new_v], axis=2)
-        return pallas_hybrid.hybrid_attention_and_write(qkv, cos, sin, k_cache, v_cache, lengths, mask, num_heads=hq)
+        return pallas_hybrid.hybrid_attention_and_write(
+            qkv, cos, sin, k_cache, v_cache, lengths, mask, num_heads=hq, **launch
+        )
 
     return attend
 
@@ -143,9 +153,15 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--layers", type=int, default=1, help="caches cycled through per loop iteration")
     parser.add_argument("--mgpu-configs", default="128:2:auto,64:3:auto", help="block_keys:stages:splits,...")
+    parser.add_argument(
+        "--verify-configs",
+        default="auto",
+        help='block_rows:warps:stages,... of the verify kernel ("auto": the model\'s)',
+    )
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args(argv)
-    configs = args.mgpu_configs.split(",")
+    configs = [c for c in args.mgpu_configs.split(",") if c]
+    verify_configs = args.verify_configs.split(",")
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | {jax.devices()[0].device_kind} | jax {jax.__version__}"
     )
@@ -154,7 +170,8 @@ def main(argv=None) -> None:
     rate = read_rate()
     print(f"read rate {rate / 1e9:.0f} GB/s")
     print(
-        "| shape | B | context | K/V MB | floor us | triton cache us | triton verify us | "
+        "| shape | B | context | K/V MB | floor us | triton cache us | "
+        + "".join(f"triton verify {c} us | " for c in verify_configs)
         + " | ".join(f"mgpu {c} us" for c in configs)
         + " |"
     )
@@ -171,13 +188,22 @@ def main(argv=None) -> None:
                 lengths = jnp.full((batch,), context, jnp.int32)
                 kv_bytes = 2 * batch * context * hkv * d * 2
                 started = time.perf_counter()
-                attenders = [
-                    ("triton cache", cache_only(triton_cache.cache_attention)),
-                    ("triton verify", verify_kernel(config, batch, context)),
-                ] + [
-                    (f"mgpu {c}", cache_only(lambda *a, knobs=parse_config(c): mgpu_cache.cache_attention(*a, **knobs)))
-                    for c in configs
-                ]
+                attenders = (
+                    [
+                        ("triton cache", cache_only(triton_cache.cache_attention)),
+                    ]
+                    + [
+                        (f"triton verify {c}", verify_kernel(config, batch, context, parse_verify_config(c)))
+                        for c in verify_configs
+                    ]
+                    + [
+                        (
+                            f"mgpu {c}",
+                            cache_only(lambda *a, knobs=parse_config(c): mgpu_cache.cache_attention(*a, **knobs)),
+                        )
+                        for c in configs
+                    ]
+                )
                 times = []
                 for name, attend in attenders:
                     try:

@@ -29,6 +29,12 @@ from pallas_kernels.split_combine import combine_splits
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
+# A grid whose row blocks are one small tile (an AR step's 1-16 query rows a KV head) aims at one
+# wave instead: each program does little beyond streaming its keys, and every split is one more
+# partial to merge. On the H200 at 32k cached keys the AR step's attention took 44.2 against 50.3
+# us a layer at Llama-3-8B's shape (16 splits against 66) and 136.6 against 141.9 at Vicuna-7B's
+# (4 against 17; `python -m benchmarks.tune_decode_attention --tree-sizes 1`, 2026-12-04).
+SMALL_BLOCK_TARGET_PROGRAMS = fb.NUM_SMS
 # Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
 # writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
 # shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
@@ -77,8 +83,14 @@ def _split_kernel(
     fb.store_partial(o_ref, lse_ref, split, row0, rows_active, state)
 
 
-def default_num_splits(programs_per_split: int, capacity: int, block_keys: int, extra_parts: int = 0) -> int:
-    """Splits so the grid has about TARGET_PROGRAMS programs, no more than a full cache fills.
+def default_num_splits(
+    programs_per_split: int,
+    capacity: int,
+    block_keys: int,
+    extra_parts: int = 0,
+    target_programs: int = TARGET_PROGRAMS,
+) -> int:
+    """Splits so the grid has about target_programs programs, no more than a full cache fills.
 
     Where the capacity is what bounds them (a small model's cache, whose fill the static grid cannot
     know), the slots a sequence leaves empty still cost their launch: at SmolLM2's 64-token verify a
@@ -87,7 +99,7 @@ def default_num_splits(programs_per_split: int, capacity: int, block_keys: int, 
     (flash_block.NUM_SMS programs, extra_parts being the partials it writes besides the splits')
     unless that leaves fewer splits than a half-full cache fills; the AR step's 3 rows a KV head (99
     programs at 32 splits) keep theirs, which ran 8.1 against 8.6-9.1 us with 16-24."""
-    want = pl.cdiv(TARGET_PROGRAMS, programs_per_split)
+    want = pl.cdiv(target_programs, programs_per_split)
     full = max(1, capacity // (MIN_TILES_PER_SPLIT * block_keys))
     if want <= full:
         return want
@@ -105,7 +117,8 @@ def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits, extra_p
     block_rows = fb.block_size(rows, block_rows)
     row_blocks = pl.cdiv(rows, block_rows)
     if num_splits is None:
-        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys, extra_parts)
+        target = SMALL_BLOCK_TARGET_PROGRAMS if rows <= fb.MIN_BLOCK else TARGET_PROGRAMS
+        num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys, extra_parts, target)
     return group, rows, block_rows, row_blocks, num_splits
 
 

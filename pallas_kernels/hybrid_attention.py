@@ -11,8 +11,9 @@ SMs (SmolLM2's 64-token verify at 32 splits: 198 programs, one an SM) the empty 
 one after another as SMs free up, had held back a new-keys program placed after them (timed on the
 H200 with the new keys last, a 4.5k-token sequence's verify took 18.5 us a layer in an 8k-row cache
 against 13.2 in a 5k-row one; with them first, 15.6 in the 8k rows;
-cache_attention.default_num_splits now also keeps such a grid to one wave). Rather than branch,
-every program runs both loops with bounds that leave one of them empty, into the same online-softmax
+cache_attention.default_num_splits now also keeps such a grid to one wave). Every program runs the
+cache's loop, with bounds that leave it empty in the new keys' program, and the new keys' tiles
+under a branch only that program takes, into the same online-softmax
 state. The cache's slices that hold keys write their partials first (cache_attention.split_plan),
 the new keys' partial right after them; split_combine then merges those and writes o in q's layout.
 Against cache attention, masked attention and an LSE merge done apart, this spares the masked
@@ -123,8 +124,13 @@ def _hybrid_kernel(
             v_rows = q_ref.at[keys[:, None], (k_head + num_kv_heads)[:, None], cols]
             v = plgpu.load(v_rows, mask=key_ok[:, None], other=0.0)
         else:
-            k = fb.load_rows(k_new_ref, key0, new_block_keys, key_ok)
-            v = fb.load_rows(v_new_ref, key0, new_block_keys, key_ok)
+            # Rows by index arrays: key0 is a Python int here, and a static slice past N (masked
+            # or not) is refused when the kernel is traced.
+            cols = jnp.arange(k_new_ref.shape[-1])[None, :]
+            k, v = (
+                plgpu.load(ref.at[keys[:, None], cols], mask=key_ok[:, None], other=0.0)
+                for ref in (k_new_ref, v_new_ref)
+            )
         # The mask row of query t serves all G rows of t (mask_ref [T, N] int8).
         allowed = plgpu.load(
             mask_ref.at[query[:, None], keys[None, :]], mask=row_ok[:, None] & key_ok[None, :], other=0
@@ -136,9 +142,15 @@ def _hybrid_kernel(
                 plgpu.store(out_ref.at[pl.ds(length + key0, new_block_keys), :], rows, mask=store_ok[:, None])
         return fb.online_softmax_step(state, q, k, v, allowed != 0, scale)
 
-    # Typed scalars: the Triton lowering gives a select's untyped literals the predicate's type (i1).
-    new_tiles = jnp.where(new_keys, jnp.int32(pl.cdiv(num_new, new_block_keys)), jnp.int32(0))
-    state = lax.fori_loop(0, new_tiles, fold_new_tile, state)
+    def fold_new_keys(state):
+        # Unrolled, not a loop: Triton pipelines every loop that loads, and a second pipelined loop
+        # beside the cache's doubled the shared memory its stages ask, which kept this kernel to two
+        # stages at head dim 128 (see WRITE_KERNEL_STAGES).
+        for i in range(pl.cdiv(num_new, new_block_keys)):
+            state = fold_new_tile(i, state)
+        return state
+
+    state = lax.cond(new_keys, fold_new_keys, lambda state: state, state)
     fb.store_partial(o_ref, lse_ref, jnp.where(new_keys, used, cache_split), row0, rows_active, state)
 
 
@@ -287,32 +299,31 @@ def hybrid_attention(
     )
 
 
-def _write_kernel_stages(head_dim: int) -> int:
-    """Pipeline stages of the rotating kernel: at head dim 128 three stages of its tiles ask an H200
-    for 272 KiB of shared memory (227 KiB is there: the tree verify of a 7B model would not compile),
-    two fit."""
-    return 3 if head_dim <= 64 else 2
-
-
+# Pipeline stages of the rotating kernel's cache loop. With the new keys' tiles in a loop of their
+# own too, Triton pipelined both and three stages at head dim 128 asked an H200 for more shared
+# memory than it has, so that head dim ran two; with those tiles under a branch three fit, and on
+# the H200 (`python -m benchmarks.bench_cache_attention --verify-configs ...`, 2026-12-04) a 64-token
+# verify at 32k cached keys took 172 against 189 us a layer at Vicuna-7B's shape, 137 against 216
+# at Llama-3-8B's (128-row blocks on 8 warps and two stages before).
+WRITE_KERNEL_STAGES = 3
 # Query rows (tokens x GQA group) up to which a small head dim's kernel runs 64-row blocks on 4
 # warps. On the H200 at SmolLM2's shape (head dim 64, group 3, 4.5k cached keys; `python -m
 # benchmarks.tune_decode_attention`) this was 10-15 % faster per layer than 128 rows on 8 warps
 # for 1, 11 and 25 tokens, and no choice beat the default at 69 tokens (207 rows).
 SMALL_BLOCK_MAX_ROWS = 128
-# At head dim 128 a block of 17-64 rows runs as 64 rows on 4 warps: on the H200 at Vicuna-7B's
-# shape (no GQA) a 64-token tree took 253 against 304 us a layer at 32k cached keys and 62 against
-# 69 us at 4k, where 128 rows on 8 warps computed a half-empty tile. Up to 16 rows (the AR step's)
-# keep the 16-row tile on 8 warps, the launch with which the 7B AR step ran at 0.85-0.96 of its
-# copy-rate floor.
+# At head dim 128 every block runs at most 64 rows on 4 warps: on the H200 a 64-token tree at 32k
+# cached keys took 172 against 231 us a layer with 128 rows on 8 warps at Vicuna-7B's shape (no
+# GQA: a half-empty tile), 137 against 164 at Llama-3-8B's (256 rows a KV head); 8 warps on 64 rows
+# took 217-230. The AR step's 1-4 rows (a 16-row tile) ran 1-2 % faster on 4 warps than on 8.
 WIDE_HEAD_BLOCK_ROWS = 64
 
 
 def _write_kernel_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     """(block_rows, num_warps) of the rotating kernel for `rows` query rows."""
-    if head_dim <= 64 and rows <= SMALL_BLOCK_MAX_ROWS:
-        return 64, 4
-    if fb.MIN_BLOCK < rows <= WIDE_HEAD_BLOCK_ROWS:
+    if head_dim > 64:
         return WIDE_HEAD_BLOCK_ROWS, 4
+    if rows <= SMALL_BLOCK_MAX_ROWS:
+        return 64, 4
     return 128, 8
 
 
@@ -343,7 +354,7 @@ def hybrid_attention_and_write(
     of the caches (rows past the capacity S are dropped; every other row stays as it was). Returns
     (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache); the caches are updated in place when the caller
     donates them (as a decode loop's carried state is). block_rows, num_warps and num_stages left
-    None are chosen for the shape (`_write_kernel_blocks`, `_write_kernel_stages`)."""
+    None are chosen for the shape (`_write_kernel_blocks`, `WRITE_KERNEL_STAGES`)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[2]
     queries = jax.ShapeDtypeStruct((b, t, num_heads, d), qkv.dtype)
@@ -371,6 +382,6 @@ def hybrid_attention_and_write(
         block_keys=block_keys,
         num_splits=num_splits,
         num_warps=default_warps if num_warps is None else num_warps,
-        num_stages=_write_kernel_stages(d) if num_stages is None else num_stages,
+        num_stages=WRITE_KERNEL_STAGES if num_stages is None else num_stages,
         packed_heads=(num_heads, hkv),
     )

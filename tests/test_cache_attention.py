@@ -15,8 +15,10 @@ from longspec_jax import attention
 from longspec_jax.errors import UserError
 from pallas_kernels.cache_attention import (
     MIN_TILES_PER_SPLIT,
+    SMALL_BLOCK_TARGET_PROGRAMS,
     TARGET_PROGRAMS,
     default_num_splits,
+    split_grid,
     split_plan,
 )
 from pallas_kernels.cache_attention import cache_attention as pallas_cache_attention
@@ -99,6 +101,26 @@ def test_default_num_splits_keeps_a_capacity_bound_grid_to_one_wave_if_half_a_ca
         assert fits_one_wave or splits == max(1, full // 2)
         # No fewer than one wave allows: what fits, up to the capacity's count, is kept.
         assert splits == full or (splits + 1 + extra_parts) * programs_per_split > NUM_SMS or splits == 1
+
+
+@pytest.mark.parametrize(
+    "t,hq,hkv,target",
+    [
+        (1, 32, 8, SMALL_BLOCK_TARGET_PROGRAMS),
+        (1, 32, 32, SMALL_BLOCK_TARGET_PROGRAMS),
+        (4, 32, 8, SMALL_BLOCK_TARGET_PROGRAMS),
+        (64, 32, 8, TARGET_PROGRAMS),
+        (5, 32, 8, TARGET_PROGRAMS),
+    ],
+)
+def test_split_grid_aims_an_ar_steps_small_blocks_at_one_wave(t, hq, hkv, target):
+    """Row blocks of at most 16 rows (an AR step: a KV head's group of query heads) aim at one wave
+    of programs, larger ones (a verified tree) at TARGET_PROGRAMS; a roomy cache bounds neither."""
+    q = jnp.zeros((1, t, hq, 128), jnp.bfloat16)
+    cache = jnp.zeros((1, 65536, hkv, 128), jnp.bfloat16)
+    _, rows, _, row_blocks, splits = split_grid(q, cache, 64, 64, None)
+    assert splits == -(-target // (hkv * row_blocks))
+    assert (rows <= 16) == (target == SMALL_BLOCK_TARGET_PROGRAMS)
 
 
 def test_pallas_cache_attention_small_tiles_many_splits():
