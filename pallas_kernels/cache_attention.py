@@ -29,11 +29,13 @@ from pallas_kernels.split_combine import combine_splits
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
 TARGET_PROGRAMS = 528
-# A grid whose row blocks are one small tile (an AR step's 1-16 query rows a KV head) aims at one
-# wave instead: each program does little beyond streaming its keys, and every split is one more
-# partial to merge. On the H200 at 32k cached keys the AR step's attention took 44.2 against 50.3
-# us a layer at Llama-3-8B's shape (16 splits against 66) and 136.6 against 141.9 at Vicuna-7B's
-# (4 against 17; `python -m benchmarks.tune_decode_attention --tree-sizes 1`, 2026-12-04).
+# At head dim 128, a grid whose row blocks are one small tile (an AR step's 1-16 query rows a KV
+# head) aims at one wave instead: each program does little beyond streaming its keys, and every
+# split is one more partial to merge. On the H200 at 32k cached keys the AR step's attention took
+# 44.2 against 50.3 us a layer at Llama-3-8B's shape (16 splits against 66) and 136.6 against 141.9
+# at Vicuna-7B's (4 against 17; `python -m benchmarks.tune_decode_attention --tree-sizes 1`,
+# 2026-12-04). Not at SmolLM2's head dim 64: at batch 8 its AR step took 16.2 us a layer with one
+# wave's 6 splits against 14.7 with 22 (`--splits`), so small heads keep TARGET_PROGRAMS.
 SMALL_BLOCK_TARGET_PROGRAMS = fb.NUM_SMS
 # Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
 # writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
@@ -117,7 +119,8 @@ def split_grid(q, k_cache, block_rows: int, block_keys: int, num_splits, extra_p
     block_rows = fb.block_size(rows, block_rows)
     row_blocks = pl.cdiv(rows, block_rows)
     if num_splits is None:
-        target = SMALL_BLOCK_TARGET_PROGRAMS if rows <= fb.MIN_BLOCK else TARGET_PROGRAMS
+        wide_ar_step = rows <= fb.MIN_BLOCK and q.shape[-1] > 64
+        target = SMALL_BLOCK_TARGET_PROGRAMS if wide_ar_step else TARGET_PROGRAMS
         num_splits = default_num_splits(b * hkv * row_blocks, s, block_keys, extra_parts, target)
     return group, rows, block_rows, row_blocks, num_splits
 

@@ -104,23 +104,24 @@ def test_default_num_splits_keeps_a_capacity_bound_grid_to_one_wave_if_half_a_ca
 
 
 @pytest.mark.parametrize(
-    "t,hq,hkv,target",
+    "t,hq,hkv,d,target",
     [
-        (1, 32, 8, SMALL_BLOCK_TARGET_PROGRAMS),
-        (1, 32, 32, SMALL_BLOCK_TARGET_PROGRAMS),
-        (4, 32, 8, SMALL_BLOCK_TARGET_PROGRAMS),
-        (64, 32, 8, TARGET_PROGRAMS),
-        (5, 32, 8, TARGET_PROGRAMS),
+        (1, 32, 8, 128, SMALL_BLOCK_TARGET_PROGRAMS),
+        (1, 32, 32, 128, SMALL_BLOCK_TARGET_PROGRAMS),
+        (4, 32, 8, 128, SMALL_BLOCK_TARGET_PROGRAMS),
+        (64, 32, 8, 128, TARGET_PROGRAMS),
+        (5, 32, 8, 128, TARGET_PROGRAMS),
+        (1, 9, 3, 64, TARGET_PROGRAMS),
     ],
 )
-def test_split_grid_aims_an_ar_steps_small_blocks_at_one_wave(t, hq, hkv, target):
-    """Row blocks of at most 16 rows (an AR step: a KV head's group of query heads) aim at one wave
-    of programs, larger ones (a verified tree) at TARGET_PROGRAMS; a roomy cache bounds neither."""
-    q = jnp.zeros((1, t, hq, 128), jnp.bfloat16)
-    cache = jnp.zeros((1, 65536, hkv, 128), jnp.bfloat16)
-    _, rows, _, row_blocks, splits = split_grid(q, cache, 64, 64, None)
+def test_split_grid_aims_a_wide_ar_steps_small_blocks_at_one_wave(t, hq, hkv, d, target):
+    """At head dim 128, row blocks of at most 16 rows (an AR step: a KV head's group of query heads)
+    aim at one wave of programs; larger ones (a verified tree) and head dim 64 at TARGET_PROGRAMS.
+    The cache is roomy enough to bound neither."""
+    q = jnp.zeros((1, t, hq, d), jnp.bfloat16)
+    cache = jnp.zeros((1, 65536, hkv, d), jnp.bfloat16)
+    _, _, _, row_blocks, splits = split_grid(q, cache, 64, 64, None)
     assert splits == -(-target // (hkv * row_blocks))
-    assert (rows <= 16) == (target == SMALL_BLOCK_TARGET_PROGRAMS)
 
 
 def test_pallas_cache_attention_small_tiles_many_splits():
