@@ -12,6 +12,7 @@ read or written is ignored; it never fails a run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -21,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+import pallas_kernels
 from longspec_jax.compile_cache import cache_root, keep_json
 
 TIMED_SECONDS = 0.02  # about how long each candidate's timed run takes
@@ -32,13 +34,27 @@ METHOD = 2  # part of the key: costs measured another way are measured again
 _MEMORY: dict[str, dict[str, float]] = {}
 
 
+@functools.cache
+def library_fingerprint() -> str:
+    """A hash of this library's and its kernels' source files: a round's cost depends on the code
+    that runs it, so costs measured by another version (a faster kernel, another launch) are
+    measured again rather than trusted."""
+    digest = hashlib.sha256()
+    for package in (Path(__file__).parent, Path(pallas_kernels.__file__).parent):
+        for path in sorted(package.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def calibration_key(**parts) -> str:
-    """A stable hex key of the things a round's cost depends on, plus the device and jax version."""
+    """A stable hex key of the things a round's cost depends on, plus the device, the jax version
+    and the library's own code (library_fingerprint)."""
     device = jax.devices()[0]
     parts = {
         **parts,
         "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
         "jax": jax.__version__,
+        "library": library_fingerprint(),
         "method": METHOD,
     }
     text = json.dumps(parts, sort_keys=True, default=str)

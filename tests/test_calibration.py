@@ -1,5 +1,6 @@
 """The calibration store: memory first, then disk, and a damaged file is measured again."""
 
+from longspec_jax import calibration
 from longspec_jax.calibration import calibration_key, forget_calibrations, load_calibration, save_calibration
 
 
@@ -20,6 +21,34 @@ def test_keys_differ_by_what_the_cost_depends_on():
     }
     assert len(keys) == 3
     assert calibration_key(**base) == calibration_key(**dict(reversed(list(base.items()))))
+
+
+def test_costs_measured_by_other_library_code_are_not_reused(monkeypatch):
+    """The key holds a hash of the library's and the kernels' sources: another version's costs
+    (a faster kernel, another launch) are measured again."""
+    base = dict(target="t", batch=1, cache_rows=4096, candidates=("ar", "tree"))
+    assert calibration.library_fingerprint() == calibration.library_fingerprint()
+    before = calibration_key(**base)
+    monkeypatch.setattr(calibration, "library_fingerprint", lambda: "another version")
+    assert calibration_key(**base) != before
+
+
+def test_the_library_fingerprint_reads_the_kernels_sources(tmp_path, monkeypatch):
+    import pallas_kernels
+
+    copy = tmp_path / "pallas_kernels"
+    copy.mkdir()
+    (copy / "__init__.py").write_text("")
+    (copy / "kernel.py").write_text("X = 1\n")
+    monkeypatch.setattr(pallas_kernels, "__file__", str(copy / "__init__.py"))
+    calibration.library_fingerprint.cache_clear()
+    first = calibration.library_fingerprint()
+    (copy / "kernel.py").write_text("X = 2\n")
+    calibration.library_fingerprint.cache_clear()
+    try:
+        assert calibration.library_fingerprint() != first
+    finally:
+        calibration.library_fingerprint.cache_clear()
 
 
 def test_a_damaged_or_unwritable_store_is_ignored(tmp_path):
