@@ -78,26 +78,31 @@ def _tokens_digest(tokens: list[int]) -> str:
 
 
 FULL_VOCABULARY = "+full"  # a --modes suffix: the draft proposes from the whole vocabulary
+LOOKUP_CHAIN = "+pld"  # a longspec --modes suffix: "+pld10", a 10-token prompt-lookup chain beside the tree
 
 
 def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     """(mode, its own tree widths or None) of a --modes entry: "ar", "auto", "pld", "longspec", or
     "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode);
-    a draft's mode may end in "+full" (its draft proposes from the whole vocabulary, not only its
-    candidate tokens: `full_vocabulary`)."""
+    longspec may then take "+pldN" (a prompt-lookup chain of N tokens beside its tree:
+    `lookup_tokens`); a draft's mode may end in "+full" (its draft proposes from the whole
+    vocabulary, not only its candidate tokens: `full_vocabulary`)."""
     from infer.generate import parse_widths
     from longspec_jax.generation import AUTO_MODE, MODES
 
     base = spec.removesuffix(FULL_VOCABULARY)
-    mode, _, widths = base.partition(":")
+    with_lookup = lookup_tokens(spec) > 0
+    mode, _, widths = base.partition(LOOKUP_CHAIN)[0].partition(":")
     if (
         mode not in (*MODES, AUTO_MODE)
         or (widths and mode not in ("pld", "longspec"))
         or (base != spec and mode not in ("longspec", AUTO_MODE))
+        or (with_lookup and mode != "longspec")
     ):
         raise UserError(
             f"unknown mode {spec!r} in --modes: choose from {', '.join((*MODES, AUTO_MODE))}, "
-            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8; longspec and auto may end in +full"
+            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8; longspec may take a lookup chain as in "
+            "longspec+pld10; longspec and auto may end in +full"
         )
     if not widths:
         return mode, None
@@ -105,6 +110,16 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     if parsed is None:
         raise UserError(f"the tree in --modes {spec!r} must be positive widths joined by '-', as in longspec:8-8-8")
     return mode, parsed
+
+
+def lookup_tokens(spec: str) -> int:
+    """The prompt-lookup chain a --modes entry puts beside its tree ("longspec+pld10": 10; none: 0)."""
+    _, found, count = spec.removesuffix(FULL_VOCABULARY).partition(LOOKUP_CHAIN)
+    if not found:
+        return 0
+    if not count.isdigit() or int(count) < 1:
+        raise UserError(f"the lookup chain in --modes {spec!r} must be a token count, as in longspec+pld10")
+    return int(count)
 
 
 def full_vocabulary(spec: str) -> bool:
@@ -173,6 +188,7 @@ def run_benchmark(
             mode=mode,
             attn_impl=impl,
             tree_widths=widths,
+            lookup_tokens=lookup_tokens(spec),
         )
     for mode, why in skipped.items():
         log(f"skipping mode {mode}: {why}")

@@ -23,6 +23,7 @@ from longspec_jax.errors import UserError
 from longspec_jax.generation import AUTO_MODE, DEFAULT_MODE, MODES, Generator
 from longspec_jax.target import load_target
 from longspec_jax.tokenizer import decode, encode_prompt
+from longspec_jax.tree import MAX_TREE_NODES
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process that Ctrl-C stopped
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree-widths",
         help="tree widths per depth, e.g. 4,16,16,16,16 (longspec; 1,1,1 is a chain the draft draws at "
         "random, verified by speculative sampling; pld takes a chain such as 1,1,1,1)",
+    )
+    p.add_argument(
+        "--lookup-tokens",
+        type=int_in_range(0, MAX_TREE_NODES),
+        default=0,
+        help="a prompt-lookup chain of this many tokens beside the draft's tree, verified with it: a round keeps "
+        "the longer of the two (longspec; 0 = none)",
     )
     p.add_argument(
         "--full-draft-vocabulary",
@@ -185,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--sampling-draft applies to --mode longspec only: drop it or pass --mode longspec")
     if args.full_draft_vocabulary and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
+    if args.lookup_tokens and args.mode not in ("longspec", AUTO_MODE):
+        raise UserError("--lookup-tokens goes beside a draft's tree: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
         raise UserError("--tree-widths applies to --mode longspec or pld only: drop it or pick one of those modes")
 
@@ -210,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode,
         attn_impl=args.attn_impl,
         tree_widths=tree_widths,
+        lookup_tokens=args.lookup_tokens,
     )
     if tree_widths and generator.mode == "ar":
         raise UserError("--tree-widths needs a draft (or --mode pld): this target has no shipped draft, pass --draft")

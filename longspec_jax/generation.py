@@ -166,17 +166,20 @@ class Generator:
         mode: str = DEFAULT_MODE,
         attn_impl: str | None = None,
         tree_widths=None,
+        lookup_tokens: int = 0,
     ):
         """draft: the LongSpec draft (default: the one shipped for the target, if any);
         sampling_draft: the one for requests that sample (default: `draft` when one is given, else
-        the target's shipped sampling draft, else the shipped draft)."""
+        the target's shipped sampling draft, else the shipped draft); lookup_tokens > 0: a
+        prompt-lookup chain of that many tokens beside the draft's tree, verified with it (mode
+        "longspec", or "auto" with a tree, which then runs that tree alone)."""
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
         if mode in ("longspec", AUTO_MODE):
             sampling_draft = sampling_draft_for(target, draft, sampling_draft)
             if draft is None:
                 draft = inference_draft(target)  # the shipped one, if any
-        if mode == AUTO_MODE and tree_widths is not None:
+        if mode == AUTO_MODE and (tree_widths is not None or lookup_tokens):
             mode = "longspec"  # a fixed tree was asked for
         self.target = target
         self.draft = draft
@@ -184,6 +187,7 @@ class Generator:
         self.mode = mode
         self.attn_impl = attention.default_impl() if attn_impl is None else attn_impl
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
+        self.lookup_tokens = int(lookup_tokens)
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
         self._proposers: dict[tuple, tuple] = {}  # (plan or mode, sampled) -> (proposer, parameters)
@@ -194,7 +198,9 @@ class Generator:
         if mode == AUTO_MODE:
             self.proposer, self.proposer_params = None, None  # chosen per request (adaptive.py)
         else:  # the mode's with `draft`, built now so that a missing draft is an error before any request
-            self.proposer, self.proposer_params = proposer_for(mode, target, draft, self.tree_widths)
+            self.proposer, self.proposer_params = proposer_for(
+                mode, target, draft, self.tree_widths, lookup_tokens=self.lookup_tokens
+            )
 
     def draft_for(self, sampling: SamplingSettings):
         """The draft a request with these sampling settings decodes with (None: none)."""
@@ -208,7 +214,9 @@ class Generator:
             if draft is self.draft:
                 return self.proposer, self.proposer_params
             if (self.mode, True) not in self._proposers:
-                self._proposers[(self.mode, True)] = proposer_for(self.mode, self.target, draft, self.tree_widths)
+                self._proposers[(self.mode, True)] = proposer_for(
+                    self.mode, self.target, draft, self.tree_widths, lookup_tokens=self.lookup_tokens
+                )
             return self._proposers[(self.mode, True)]
         sampled = not request.sampling.greedy
         plan = candidate_plan(draft is not None, request.sampling.greedy, batch)
@@ -443,6 +451,7 @@ def generate(
     seed: int = 0,
     attn_impl: str | None = None,
     tree_widths=None,
+    lookup_tokens: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     stream: StreamCallback | None = None,
     stream_every: int = 32,
@@ -451,7 +460,13 @@ def generate(
     """Generate from a target: prompt_ids is list[int] (one prompt) or list[list[int]] (a batch;
     lengths may differ), or text when the target has a tokenizer. See `Generator` and `Generator.generate`."""
     generator = Generator(
-        target, draft, sampling_draft=sampling_draft, mode=mode, attn_impl=attn_impl, tree_widths=tree_widths
+        target,
+        draft,
+        sampling_draft=sampling_draft,
+        mode=mode,
+        attn_impl=attn_impl,
+        tree_widths=tree_widths,
+        lookup_tokens=lookup_tokens,
     )
     return generator.generate(
         prompt_ids,

@@ -58,12 +58,16 @@ from longspec_jax.pld import propose_chain
 from longspec_jax.sampling import filtered_logits, gumbel_noise
 from longspec_jax.tree import (
     DEFAULT_WIDTHS,
+    MAX_TREE_NODES,
     chain_tree,
     expand_level_from_top,
     init_tree_from_top,
     level_block,
+    lookup_widths,
+    num_nodes,
     root_tree,
     validate_widths,
+    with_lookup_chain,
 )
 
 PLD_DEFAULT_TOKENS = 10  # candidates per PLD round (HF's prompt_lookup_num_tokens default)
@@ -110,11 +114,16 @@ class PromptLookup:
         history = history.at[:, : prompt_tokens.shape[1]].set(prompt_tokens)
         return write_rows(history, first[:, None], prompt_lengths)
 
-    def propose(self, params, model, history, roots, cache, attn_impl, sampling, key):
+    def chain(self, history, cache):
+        """int32[B, len(widths)]: the tokens that followed the latest earlier occurrence of the
+        history's last n-gram (pld.propose_chain), the root being the history's last token."""
         chain, _ = propose_chain(
             history, cache.lengths + 1, num_tokens=len(self.widths), max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM
         )
-        return chain_tree(roots, chain), history
+        return chain
+
+    def propose(self, params, model, history, roots, cache, attn_impl, sampling, key):
+        return chain_tree(roots, self.chain(history, cache)), history
 
     def accept(self, history, tokens, n_tokens, positions):
         return write_rows(history, tokens, positions)
@@ -312,6 +321,55 @@ class DraftProposer:
         return cache_bytes(state.draft)
 
 
+@struct.dataclass
+class LookupProposal:
+    """DraftWithLookup's state: the draft's (DraftProposal) and prompt lookup's history."""
+
+    draft: Any
+    history: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftWithLookup:
+    """The draft's tree with a prompt-lookup chain beside it, both verified in one block
+    (tree.with_lookup_chain): a round keeps the longer of what the draft's branches and the chain
+    agree with. Where the text repeats its context (a summary quoting its document, code editing
+    its own file) the chain keeps more than the draft does; elsewhere it costs its rows in the
+    verify. `draft`'s pending rows hold the combined tree's depth + 1."""
+
+    draft: DraftProposer
+    lookup: PromptLookup
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return lookup_widths(self.draft.widths, len(self.lookup.widths))
+
+    def init(self, params, model, cache, prompt_tokens, prompt_lengths, first):
+        return LookupProposal(
+            draft=self.draft.init(params, model, cache, prompt_tokens, prompt_lengths, first),
+            history=self.lookup.init(params, model, cache, prompt_tokens, prompt_lengths, first),
+        )
+
+    def propose(self, params, model, state: LookupProposal, roots, cache, attn_impl, sampling, key):
+        """The draft's tree (its own noise from `key`), then the chain beside it; coupled candidates
+        get one more noise for each depth the chain adds."""
+        draft_key, chain_key = jax.random.split(key)
+        tree, draft = self.draft.propose(params, model, state.draft, roots, cache, attn_impl, sampling, draft_key)
+        extra = len(self.widths) - tree.depth
+        chain_noise = gumbel_noise(chain_key, (roots.shape[0], extra, model.config.vocab_size), sampling)
+        tree = with_lookup_chain(tree, self.lookup.chain(state.history, cache), chain_noise)
+        return tree, state.replace(draft=draft)
+
+    def accept(self, state: LookupProposal, tokens, n_tokens, positions):
+        return LookupProposal(
+            draft=self.draft.accept(state.draft, tokens, n_tokens, positions),
+            history=self.lookup.accept(state.history, tokens, n_tokens, positions),
+        )
+
+    def cache_bytes(self, state: LookupProposal) -> int:
+        return self.draft.cache_bytes(state.draft)
+
+
 # ----------------------------------------------------------------------------- by mode
 
 
@@ -358,10 +416,36 @@ def draft_parameters(draft, target, small_rows=None, widths=()) -> tuple[Any, Dr
     return graphdef, DraftParams(block, candidate_vocabulary(target.model, ids))
 
 
-def proposer_for(mode: str, target, draft=None, tree_widths=None, small_rows=None) -> tuple[Any, Any]:
+def check_lookup_tokens(mode: str, widths: tuple[int, ...], lookup_tokens: int) -> None:
+    """A lookup chain goes beside a draft's tree (mode "longspec", not a drawn chain), and the two
+    must fit the verify's block."""
+    if not lookup_tokens:
+        return
+    if mode != "longspec" or lookup_tokens < 0:
+        raise UserError(
+            f"a lookup chain ({lookup_tokens} tokens) goes beside a draft's tree: use it with mode longspec"
+        )
+    if set(widths) == {1}:
+        raise UserError(
+            f"tree widths {widths} make a chain drawn from the draft, which takes no lookup chain beside it: "
+            "use a tree with a level wider than 1"
+        )
+    nodes = num_nodes(lookup_widths(widths, lookup_tokens))
+    if nodes > MAX_TREE_NODES:
+        raise UserError(
+            f"tree widths {widths} with a lookup chain of {lookup_tokens} tokens make {nodes} nodes with the root; "
+            f"the verification kernel takes at most {MAX_TREE_NODES}: use a smaller tree or a shorter chain"
+        )
+
+
+def proposer_for(
+    mode: str, target, draft=None, tree_widths=None, small_rows=None, lookup_tokens: int = 0
+) -> tuple[Any, Any]:
     """(static proposer, its parameters) of a mode ("ar", "pld" or "longspec" with a `Draft`);
-    small_rows as `draft_parameters`."""
+    small_rows as `draft_parameters`; lookup_tokens > 0 (longspec only): a prompt-lookup chain of
+    that many tokens beside the draft's tree (`DraftWithLookup`)."""
     widths = resolve_widths(mode, tree_widths, target.config.vocab_size)
+    check_lookup_tokens(mode, widths, lookup_tokens)
     if mode == "ar":
         return NoProposal(), ()
     if mode == "pld":
@@ -374,4 +458,7 @@ def proposer_for(mode: str, target, draft=None, tree_widths=None, small_rows=Non
     check_draft(draft, target.config)
     graphdef, params = draft_parameters(draft, target, small_rows, widths)
     block = BlockDraft(graphdef, tree_slots=max(1, sum(widths[:-1])), window=draft.config.window)
+    if lookup_tokens:
+        rows = len(lookup_widths(widths, lookup_tokens)) + 1
+        return DraftWithLookup(DraftProposer(block, widths, rows), PromptLookup((1,) * lookup_tokens)), params
     return DraftProposer(block, widths), params

@@ -207,6 +207,20 @@ def test_pld_greedy_equals_ar(target, prompts):
     assert result.stats.draft_cache_bytes == 0
 
 
+def test_a_lookup_chain_beside_the_tree_is_exact_and_keeps_more_on_text_that_repeats(target, prompts, draft):
+    """Greedy longspec with a prompt-lookup chain beside its tree equals AR, and on a prompt
+    followed by the target's own continuation (some lookups hit) it keeps more a round than the
+    tree alone: this random draft's tree keeps nothing here, so what more is kept is the chain's."""
+    seed = [3, 17, 29, 4, 40]
+    batch = [seed + ar(target, [seed], 11)[0], prompts[1]]
+    common = dict(mode="longspec", draft=draft, tree_widths=WIDTHS, max_new_tokens=12, eos_token_ids=())
+    alone = generate(target, batch, **common)
+    with_chain = generate(target, batch, lookup_tokens=5, **common)
+    expected = [r[:12] for r in ar(target, batch)]
+    assert alone.tokens == expected and with_chain.tokens == expected
+    assert alone.stats.tau == 1.0 and with_chain.stats.tau > 1.0
+
+
 def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_draft_result):
     """The loop's initial state for a 100-token and a 4000-token prompt (shapes only, eval_shape),
     and the bytes a real run reports."""
@@ -258,20 +272,23 @@ def exact_first_three(target, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,widths,candidates",
+    "temperature,top_p,widths,candidates,lookup",
     # (1, 1): a chain drawn from the draft, verified by speculative sampling. candidates: the
     # draft's candidate tokens (None: all), here leaving out token 2, which the target does pick.
+    # lookup: a prompt-lookup chain beside the tree, one depth deeper than the tree (the prompt
+    # repeats its tokens, so the chain holds some).
     [
-        (1.0, 1.0, (2, 2), None),
-        (0.7, 1.0, (2, 2), None),
-        (1.0, 0.8, (2, 2), None),
-        (1.0, 1.0, (1, 1), None),
-        (0.7, 0.8, (1, 1), None),
-        (1.0, 1.0, (2, 2), (0, 1, 3)),
-        (0.7, 0.8, (1, 1), (0, 1, 3)),
+        (1.0, 1.0, (2, 2), None, 0),
+        (0.7, 1.0, (2, 2), None, 0),
+        (1.0, 0.8, (2, 2), None, 0),
+        (1.0, 1.0, (1, 1), None, 0),
+        (0.7, 0.8, (1, 1), None, 0),
+        (1.0, 1.0, (2, 2), (0, 1, 3), 0),
+        (0.7, 0.8, (1, 1), (0, 1, 3), 0),
+        (1.0, 1.0, (2, 2), None, 3),
     ],
 )
-def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates):
+def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates, lookup):
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
     draft = draft.with_candidate_tokens(candidates)
@@ -282,6 +299,7 @@ def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, w
         mode="longspec",
         draft=draft,
         tree_widths=widths,
+        lookup_tokens=lookup,
         max_new_tokens=3,
         temperature=temperature,
         top_p=top_p,
@@ -320,6 +338,13 @@ def test_bad_inputs_raise_user_errors(target):
         generate(target, [1, 2], mode="pld", tree_widths=(1, 2), max_new_tokens=2)
     with pytest.raises(UserError, match="needs a draft"):
         generate(target, [1, 2], mode="longspec", max_new_tokens=2)
+    for mode in ("pld", "ar"):
+        with pytest.raises(UserError, match="beside a draft's tree"):
+            generate(target, [1, 2], mode=mode, lookup_tokens=3, max_new_tokens=2)
+    with pytest.raises(UserError, match="drawn from the draft"):
+        generate(target, [1, 2], mode="longspec", draft=draft, tree_widths=(1, 1), lookup_tokens=3, max_new_tokens=2)
+    with pytest.raises(UserError, match="lookup chain of 10 tokens make 130 nodes"):
+        generate(target, [1, 2], draft=draft, tree_widths=(16,) * 7 + (7,), lookup_tokens=10, max_new_tokens=2)
     other = random_target(tiny_config(hidden_size=32, vocab_size=48), seed=0)
     with pytest.raises(UserError, match="different target"):
         generate(target, [1, 2], mode="longspec", draft=init_draft(other), max_new_tokens=2)

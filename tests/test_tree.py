@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from longspec_jax.acceptance import accept
 from longspec_jax.errors import UserError
 from longspec_jax.tree import (
     DEFAULT_WIDTHS,
@@ -11,10 +12,12 @@ from longspec_jax.tree import (
     init_tree,
     level_block,
     level_slice,
+    lookup_widths,
     node_depths,
     num_nodes,
     validate_widths,
     vocab_top_k,
+    with_lookup_chain,
 )
 
 
@@ -118,6 +121,96 @@ def test_chain_tree_is_a_causal_chain():
     np.testing.assert_array_equal(tree.tokens, [[1, 4, 5, 6], [2, 7, 8, 9]])
     np.testing.assert_array_equal(tree.parents[0], [-1, 0, 1, 2])
     np.testing.assert_array_equal(tree.mask[1], np.tril(np.ones((4, 4), bool)))
+
+
+def node_path(tree, b, node):
+    """numpy: the flat nodes from the root down to `node` of row b, by its parents."""
+    parents = np.asarray(tree.parents[b])
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def draft_tree_with_chain(widths, chain_tokens, seed=0, vocab=6):
+    rng = np.random.default_rng(seed)
+    lps = [jnp.asarray(random_log_probs(rng, (2, vocab)))] + [
+        jnp.asarray(random_log_probs(rng, (2, w, vocab))) for w in widths[:-1]
+    ]
+    tree, _ = build(widths, jnp.array([1, 2]), lps, jnp.array([10, 20]))
+    chain = jnp.asarray(rng.integers(0, vocab, (2, chain_tokens)), jnp.int32)
+    return tree, chain, with_lookup_chain(tree, chain)
+
+
+@pytest.mark.parametrize("widths,chain_tokens", [((2, 3), 4), ((3, 4, 2), 2), ((2, 2), 2)])
+def test_a_lookup_chain_beside_a_tree_keeps_both_in_level_order(widths, chain_tokens):
+    tree, chain, combined = draft_tree_with_chain(widths, chain_tokens)
+    assert combined.widths == lookup_widths(widths, chain_tokens)
+    assert sum(combined.widths) == sum(widths) + chain_tokens
+    depths = node_depths(combined.widths)
+    for b in range(2):
+        mask = np.asarray(combined.mask[b])
+        tokens = np.asarray(combined.tokens[b])
+        parents = np.asarray(combined.parents[b])
+        for node in range(num_nodes(combined.widths)):
+            path = node_path(combined, b, node)
+            assert len(path) == depths[node] + 1  # a node's level is its depth
+            np.testing.assert_array_equal(np.flatnonzero(mask[node]), sorted(path))  # it sees its ancestors
+        # The chain: the last node of levels 1..L, each the child of the one above.
+        chain_nodes = [level_slice(combined.widths, d)[1] - 1 for d in range(1, chain_tokens + 1)]
+        np.testing.assert_array_equal(tokens[chain_nodes], np.asarray(chain[b]))
+        assert parents[chain_nodes[0]] == 0 and list(parents[chain_nodes[1:]]) == chain_nodes[:-1]
+        # The draft's nodes: the same token paths as in the tree alone.
+        draft_paths = {tuple(np.asarray(tree.tokens[b])[node_path(tree, b, n)]) for n in range(num_nodes(widths))}
+        kept = {
+            tuple(tokens[node_path(combined, b, n)]) for n in range(num_nodes(combined.widths)) if n not in chain_nodes
+        }
+        assert kept == draft_paths
+
+
+def picks_following(tree, continuation):
+    """int32[B, N]: at each node, the continuation's next token if the node's path (below the root)
+    is a prefix of it, else a token no node carries (-1 never matches)."""
+    picks = np.full(tree.tokens.shape, -1, np.int32)
+    for b, want in enumerate(continuation):
+        for node in range(tree.tokens.shape[1]):
+            path = list(np.asarray(tree.tokens[b])[node_path(tree, b, node)][1:])
+            if path == list(want[: len(path)]) and len(path) < len(want):
+                picks[b, node] = want[len(path)]
+    return jnp.asarray(picks)
+
+
+def test_the_walk_keeps_the_longer_of_the_draft_branch_and_the_lookup_chain():
+    """Row 0's continuation follows a draft branch for two tokens, row 1's the chain for all four:
+    each keeps what it would keep with the better of the two alone, and the tokens match."""
+    tree, chain, combined = draft_tree_with_chain((2, 3), 4, vocab=6)
+    deepest = level_slice(tree.widths, 2)[0]  # a depth-2 node of row 0
+    branch = list(np.asarray(tree.tokens[0])[node_path(tree, 0, deepest)][1:])
+    continuation = [branch + [5, 5, 5], list(np.asarray(chain[1])) + [4]]
+    alone = [accept(t, picks_following(t, continuation)) for t in (tree, chain_tree(tree.tokens[:, 0], chain))]
+    both = accept(combined, picks_following(combined, continuation))
+    best = np.maximum(*(np.asarray(a.n_emitted) for a in alone))
+    np.testing.assert_array_equal(both.n_emitted, best)
+    # Row 0 kept the draft's whole branch, row 1 the whole chain, each with its bonus.
+    assert int(alone[0].n_emitted[0]) == 3 and int(alone[1].n_emitted[1]) == 5
+    for b in range(2):
+        n = int(both.n_emitted[b])
+        assert list(np.asarray(both.emitted[b, :n])) == continuation[b][:n]
+
+
+def test_a_chain_token_equal_to_a_draft_siblings_is_walked_as_one_path():
+    """A chain whose tokens repeat a draft branch: both copies are reached; the walk still emits
+    the continuation once, as deep as either copy goes."""
+    tree, _, _ = draft_tree_with_chain((2, 3), 3, vocab=6)
+    deepest = level_slice(tree.widths, 2)[0]
+    branch = [list(np.asarray(tree.tokens[b])[node_path(tree, b, deepest)][1:]) for b in range(2)]
+    chain = jnp.asarray([branch[0] + [3], branch[1] + [0]], jnp.int32)  # the branch, one token further
+    combined = with_lookup_chain(tree, chain)
+    continuation = [branch[0] + [3, 1], branch[1] + [1, 1]]
+    acc = accept(combined, picks_following(combined, continuation))
+    np.testing.assert_array_equal(acc.n_emitted, [4, 3])
+    for b in range(2):
+        assert list(np.asarray(acc.emitted[b, : int(acc.n_emitted[b])])) == continuation[b][: int(acc.n_emitted[b])]
 
 
 @pytest.mark.parametrize(
