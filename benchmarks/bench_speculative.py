@@ -127,13 +127,17 @@ def traced(trace_dir: Path | None, label: str, run, make, steps: int, top: int =
     print_top(trace, steps, top)
 
 
-def bench_longspec(target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl, trace_dir=None):
-    """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes)."""
+def bench_longspec(
+    target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl, trace_dir=None, lookup_tokens=0
+):
+    """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes);
+    lookup_tokens > 0: the tree with a prompt-lookup chain of that many tokens beside it."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
     # Room for the timed loop's rounds and for profile_round's 2 (1 + rounds) rounds, each from a fresh state.
     most_rounds = 2 * (rounds + 1)
-    proposer, draft_params = proposer_for("longspec", target, draft, widths)
+    proposer, draft_params = proposer_for("longspec", target, draft, widths, lookup_tokens=lookup_tokens)
+    widths = proposer.widths  # with a lookup chain, the combined tree's
     config = LoopConfig(graphdef, proposer, bucket_length((most_rounds + 1) * (len(widths) + 1)), impl)
     make = lambda: loop_state(
         target,
@@ -199,6 +203,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="comma-separated draft vocabularies, a round timed with each: all, or N (the first N token ids)",
     )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
+    p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=0,
+        help="time the tree with a prompt-lookup chain of this many tokens beside it",
+    )
     args = p.parse_args(argv)
     shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
     contexts = [int(c) for c in (args.contexts or ("64,256" if args.small else "4096,16384,32768,65536")).split(",")]
@@ -246,6 +256,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         repeats=args.repeats,
                         impl=args.impl,
                         trace_dir=args.trace and args.trace / shape / vocabulary,
+                        lookup_tokens=args.lookup_tokens,
                     )
                     row.draft_ms, row.verify_ms = parts["draft_ms"], parts["verify_ms"]
                     row.accept_ms, row.parts_sum_ms = parts["accept_ms"], parts["parts_sum_ms"]
@@ -270,7 +281,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         del target, draft, params
 
     print(
-        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}, attention {args.impl}, "
+        f"\nLongSpec round vs AR step, batch {args.batch}, tree {widths}"
+        + (f" with a prompt-lookup chain of {args.lookup_tokens} tokens" if args.lookup_tokens else "")
+        + f", attention {args.impl}, "
         f"{rounds} rounds per timing, median of {args.repeats}. "
         f"PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
     )

@@ -81,6 +81,7 @@ def loop_program(
     batch: int = 1,
     small_rows=None,
     temperature: float = 0.0,
+    lookup_tokens: int = 0,
 ):
     """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts at
     `temperature` (0: greedy), compiled for `device` (a compile-only GPU from `gpu_device`, or any
@@ -94,7 +95,9 @@ def loop_program(
         proposer, proposer_params = adaptive_proposer(target, draft, plan, small_rows=rows)
         slack = proposer.slack
     else:
-        proposer, proposer_params = proposer_for(mode, target, draft, widths, small_rows=rows)
+        proposer, proposer_params = proposer_for(
+            mode, target, draft, widths, small_rows=rows, lookup_tokens=lookup_tokens
+        )
         slack = sum(proposer.widths)
     model = target.model.inference_layout(rows)
     graphdef, params = nnx.split(model)
@@ -137,6 +140,9 @@ def main(argv=None) -> dict[str, int]:
     )
     parser.add_argument("--tree-widths", help="the mode's tree (pld: a chain of len(widths) tokens), e.g. 4,16,16")
     parser.add_argument(
+        "--lookup-tokens", type=int, default=0, help="longspec's tree with a prompt-lookup chain of this many tokens"
+    )
+    parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"
     )
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
@@ -174,6 +180,7 @@ def main(argv=None) -> dict[str, int]:
             batch=args.batch,
             small_rows=() if args.no_small_rows else SMALL_ROWS,
             temperature=args.temperature,
+            lookup_tokens=args.lookup_tokens if mode == "longspec" else 0,
         )
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")

@@ -30,3 +30,28 @@ def test_a_cut_draft_reads_only_its_candidates_rows_of_the_head():
     cut = draft_round_bytes(model, with_candidates(draft, "32"), context=64, batch=1, depth=2)
     assert whole - cut == 2 * (c.vocab_size - 32) * c.hidden_size * 4
     assert with_candidates(draft, "32").candidate_tokens.tolist() == list(range(32))
+
+
+def test_the_round_with_a_lookup_chain_is_timed_on_its_combined_tree(capsys):
+    """--lookup-tokens times the tree with the chain beside it: the table says which tree ran."""
+    from benchmarks import bench_speculative
+
+    bench_speculative.main(
+        [
+            "--small",
+            "--contexts",
+            "64",
+            "--rounds",
+            "2",
+            "--repeats",
+            "1",
+            "--tree-widths",
+            "2,2",
+            "--lookup-tokens",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "tree (2, 2) with a prompt-lookup chain of 3 tokens" in out
+    row = next(line for line in out.splitlines() if line.startswith("tiny "))
+    assert float(row.split()[3]) > 0  # round ms

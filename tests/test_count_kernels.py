@@ -29,6 +29,19 @@ def test_loop_programs_compile_for_a_given_device_and_a_round_launches_more_than
     assert 0 < counts["ar"] < counts["longspec"]
 
 
+def test_a_lookup_chain_beside_the_tree_adds_its_search_to_the_round():
+    target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
+    draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
+    cpu = jax.devices("cpu")[0]
+    counts = [
+        loop_body_kernels(
+            count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=(2, 2), lookup_tokens=n)
+        )
+        for n in (0, 3)
+    ]
+    assert counts[0] < counts[1]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mode_auto_loop_holds_every_candidate(temperature):
     """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
