@@ -91,7 +91,7 @@ def loop_program(
     products, the target's and the draft's (default: what that device decodes with)."""
     rows = small_rows_for(device.platform) if small_rows is None else small_rows
     if mode == "auto":
-        plan = candidate_plan(draft is not None, temperature == 0.0, batch)
+        plan = candidate_plan(draft is not None, temperature == 0.0, batch, lookup_tokens)
         proposer, proposer_params = adaptive_proposer(target, draft, plan, small_rows=rows)
         slack = proposer.slack
     else:
@@ -140,7 +140,10 @@ def main(argv=None) -> dict[str, int]:
     )
     parser.add_argument("--tree-widths", help="the mode's tree (pld: a chain of len(widths) tokens), e.g. 4,16,16")
     parser.add_argument(
-        "--lookup-tokens", type=int, default=0, help="longspec's tree with a prompt-lookup chain of this many tokens"
+        "--lookup-tokens",
+        type=int,
+        default=0,
+        help="longspec's tree (auto: its deep greedy tree) with a prompt-lookup chain of this many tokens",
     )
     parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"
@@ -180,7 +183,7 @@ def main(argv=None) -> dict[str, int]:
             batch=args.batch,
             small_rows=() if args.no_small_rows else SMALL_ROWS,
             temperature=args.temperature,
-            lookup_tokens=args.lookup_tokens if mode == "longspec" else 0,
+            lookup_tokens=args.lookup_tokens if mode in ("longspec", "auto") else 0,
         )
         counts[mode] = loop_body_kernels(text)
         print(f"{mode}: {counts[mode]} kernels per loop iteration")

@@ -7,19 +7,21 @@ not once per round, and the host never steps in:
     "ar"      the root alone: a plain target step;
     "pld N"   a prompt-lookup chain of N tokens (free to propose, strong on text that repeats its
               context);
-    "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft).
+    "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft);
+    "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (greedy, when asked).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
 tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a wide
 two-level tree coupled with the target's picks (acceptance.py), or at large batches a token drawn
 from its distribution; large batches get smaller trees. The choice each round is policy.py's.
 
 State: the candidates' proposers keep their own state (`sources`: the draft's ring, PLD's history);
-candidates of one draft (or the prompt-lookup chains) share it. The source that proposed a round
-takes what it kept through `accept`; every other source sits out the run of rounds it is not part of
-and catches up once after it, from the output (`catch_up`: the draft writes the tokens it did not
-see into its ring from their embeddings alone, which is what it would have written itself; prompt
-lookup writes them into its history). A round then carries no other source's bookkeeping, and the
-draft's pending tokens are at most its own trees' depth + 1.
+candidates of one draft (or the prompt-lookup chains) share it, and a tree with a lookup chain
+proposes from both. The sources that proposed a round take what it kept through `accept`; every
+other source sits out the run of rounds it is not part of and catches up once after it, from the
+output (`catch_up`: the draft writes the tokens it did not see into its ring from their embeddings
+alone, which is what it would have written itself; prompt lookup writes them into its history). A
+round then carries no other source's bookkeeping, and the draft's pending tokens are at most its
+own trees' depth + 1 (a lookup chain's included).
 
 Every candidate's round is exact (greedy: AR's tokens; sampling: AR's distribution), so switching at
 any round keeps the output exact; the policy only decides speed.
@@ -38,12 +40,15 @@ from longspec_jax.proposers import (
     PLD_DEFAULT_TOKENS,
     BlockDraft,
     DraftProposer,
+    DraftWithLookup,
+    LookupProposal,
     NoProposal,
     PromptLookup,
     check_draft,
+    check_lookup_tokens,
     draft_parameters,
 )
-from longspec_jax.tree import DEFAULT_WIDTHS, validate_widths
+from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, validate_widths
 
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
@@ -51,18 +56,37 @@ COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled wi
 SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
 
 
+LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,16,11+pld 10": the tree with a 10-token lookup chain beside it
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """name: "ar", "pld N" or "tree w1,w2,..."; source: the index of the proposer whose state it
-    proposes from; proposer: the proposer that builds its tree."""
+    """name: "ar", "pld N", "tree w1,w2,..." or "tree w1,w2,...+pld N" (the tree with a
+    prompt-lookup chain of N tokens beside it, proposers.DraftWithLookup); sources: the indices of
+    the proposers whose state it proposes from: one, or for a tree with a lookup chain the draft's
+    and the prompt lookup's, which its proposer holds together as a `LookupProposal`; proposer: the
+    proposer that builds its tree."""
 
     name: str
-    source: int
+    sources: tuple[int, ...]
     proposer: Any
 
     @property
     def depth(self) -> int:
         return len(self.proposer.widths)
+
+    def state(self, states: tuple):
+        """Its proposer's state, from every source's."""
+        if len(self.sources) == 1:
+            return states[self.sources[0]]
+        draft, history = (states[j] for j in self.sources)
+        return LookupProposal(draft=draft, history=history)
+
+    def put(self, states: tuple, state) -> tuple:
+        """Every source's state once its proposer's is `state`."""
+        parts = (state,) if len(self.sources) == 1 else (state.draft, state.history)
+        new = dict(zip(self.sources, parts))
+        return tuple(new.get(j, s) for j, s in enumerate(states))
 
 
 @struct.dataclass
@@ -91,7 +115,7 @@ class Adaptive:
         round instead, the draft would run a projection and a ring write, and prompt lookup a history
         write, in every round of another candidate, and the draft's pending rows would have to hold
         the longest chain's tokens; a catch-up costs about one such round per run."""
-        return source != self.candidates[candidate].source and not isinstance(self.sources[source], NoProposal)
+        return source not in self.candidates[candidate].sources and not isinstance(self.sources[source], NoProposal)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -116,7 +140,9 @@ class Adaptive:
         return sum(src.cache_bytes(s) for src, s in zip(self.sources, state.sources))
 
 
-def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def candidate_plan(
+    has_draft: bool, greedy: bool, batch: int, lookup_tokens: int = 0
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, widths) of the candidates for a request: always AR, a draft tree when there is a draft,
     and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). Below
     LARGE_BATCH greedy decoding affords a deep tree and a long chain, and gets a shallow tree too
@@ -151,7 +177,10 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
     LARGE_BATCH it is left out beside the coupled tree: there it kept 1.0-1.55 tokens a round for
     1.25 AR steps (AR's rate), and its trials took 6-32 of a request's 64 rounds from the tree
     (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
-    Each candidate is one more branch to compile, so few."""
+    Each candidate is one more branch to compile, so few.
+    lookup_tokens > 0: greedy below LARGE_BATCH, the deep tree carries a prompt-lookup chain of that
+    many tokens beside it (`proposers.DraftWithLookup`; CPU-measured tau +31-82 % on the eval sets,
+    not yet timed on a GPU, so not the default)."""
     if greedy:
         chains, trees = (
             ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
@@ -160,31 +189,54 @@ def candidate_plan(has_draft: bool, greedy: bool, batch: int) -> tuple[tuple[str
         chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
-        plan += [("tree " + ",".join(map(str, w)), w) for w in trees]
+        with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
+        plan += [
+            ("tree " + ",".join(map(str, w)) + (f"{LOOKUP_SUFFIX}{with_chain}" if with_chain and i == 0 else ""), w)
+            for i, w in enumerate(trees)
+        ]
     return tuple(plan)
+
+
+def lookup_tokens_of(name: str) -> int:
+    """The lookup chain a tree candidate's name gives it ("tree 4,4+pld 10": 10; none: 0)."""
+    _, found, count = name.partition(LOOKUP_SUFFIX)
+    return int(count) if found else 0
 
 
 def adaptive_proposer(target, draft, plan, small_rows=None) -> tuple[Adaptive, tuple]:
     """(the static Adaptive proposer, its parameters) for a `candidate_plan` (small_rows as
     `proposers.draft_parameters`)."""
     vocab = target.config.vocab_size
-    trees = [validate_widths(w, vocab) for name, w in plan if name.startswith("tree")]
+    trees = [(name, validate_widths(w, vocab)) for name, w in plan if name.startswith("tree")]
     sources: list = [NoProposal()]
     params: list = [()]
-    candidates = [Candidate("ar", 0, sources[0])]
+    candidates = [Candidate("ar", (0,), sources[0])]
     chains = [(name, w) for name, w in plan if name.startswith("pld")]
+    lookup = None
     if chains:
         sources.append(PromptLookup(max((w for _, w in chains), key=len)))  # its history serves every chain
         params.append(())
-        candidates += [Candidate(name, len(sources) - 1, PromptLookup(w)) for name, w in chains]
+        lookup = len(sources) - 1
+        candidates += [Candidate(name, (lookup,), PromptLookup(w)) for name, w in chains]
     if trees:
         check_draft(draft, target.config)
-        graphdef, draft_params = draft_parameters(draft, target, small_rows, [max(w) for w in trees])
-        block = BlockDraft(graphdef, tree_slots=max(1, max(sum(w[:-1]) for w in trees)), window=draft.config.window)
-        rows = max(len(w) for w in trees) + 1  # the most its own rounds keep (others' it catches up on)
-        sources.append(DraftProposer(block, trees[0], pending_rows=rows))
+        graphdef, draft_params = draft_parameters(draft, target, small_rows, [max(w) for _, w in trees])
+        slots = max(1, max(sum(w[:-1]) for _, w in trees))
+        block = BlockDraft(graphdef, tree_slots=slots, window=draft.config.window)
+        for name, w in trees:
+            if lookup_tokens_of(name) and lookup is None:
+                raise ValueError(f"candidate {name!r} needs a prompt-lookup chain in the plan for its history")
+            check_lookup_tokens("longspec", w, lookup_tokens_of(name))
+        # The most its own rounds keep (others' it catches up on), a lookup chain's included.
+        rows = max(len(lookup_widths(w, lookup_tokens_of(name))) for name, w in trees) + 1
+        sources.append(DraftProposer(block, trees[0][1], pending_rows=rows))
         params.append(draft_params)
         index = len(sources) - 1
-        for w in trees:
-            candidates.append(Candidate("tree " + ",".join(map(str, w)), index, DraftProposer(block, w, rows)))
+        for name, w in trees:
+            tree = DraftProposer(block, w, rows)
+            if lookup_tokens_of(name):
+                proposer = DraftWithLookup(tree, PromptLookup((1,) * lookup_tokens_of(name)))
+                candidates.append(Candidate(name, (index, lookup), proposer))
+            else:
+                candidates.append(Candidate(name, (index,), tree))
     return Adaptive(tuple(sources), tuple(candidates)), tuple(params)

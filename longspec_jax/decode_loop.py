@@ -201,11 +201,10 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
     adaptive = config.proposer
     candidate = adaptive.candidates[k]
     sources = state.proposal.sources
-    mine = candidate.source
     tree, proposed = candidate.proposer.propose(
-        proposer_params[mine],
+        proposer_params[candidate.sources[0]],  # a tree with a lookup chain: the draft's (lookup has none)
         model,
-        sources[mine],
+        candidate.state(sources),
         state.roots,
         state.cache,
         config.attn_impl,
@@ -215,8 +214,7 @@ def _adaptive_round(config: LoopConfig, model, proposer_params, state: LoopState
 
     def update(emitted, n_keep, positions):
         # The other sources sit out this candidate's run and catch up after it (decode).
-        own = adaptive.sources[mine].accept(proposed, emitted, n_keep, positions)
-        accepted = tuple(own if j == mine else s for j, s in enumerate(sources))
+        accepted = candidate.put(sources, candidate.proposer.accept(proposed, emitted, n_keep, positions))
         kept, active = n_keep.sum(), (~state.done).sum()
         policy = state.proposal.policy  # AR rounds are recorded together, and every run counted at its end (decode)
         if k != AR:

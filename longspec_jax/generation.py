@@ -63,10 +63,11 @@ from longspec_jax.decode_kit import (
 from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start
 from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import GenerationInterrupted, UserError
-from longspec_jax.proposers import proposer_for
+from longspec_jax.proposers import check_lookup_tokens, proposer_for
 from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from longspec_jax.tokenizer import decode as decode_text
+from longspec_jax.tree import DEFAULT_WIDTHS
 
 __all__ = ["AUTO_MODE", "DEFAULT_MODE", "MODES", "GenerationResult", "GenerationStats", "Generator", "generate"]
 
@@ -172,14 +173,14 @@ class Generator:
         sampling_draft: the one for requests that sample (default: `draft` when one is given, else
         the target's shipped sampling draft, else the shipped draft); lookup_tokens > 0: a
         prompt-lookup chain of that many tokens beside the draft's tree, verified with it (mode
-        "longspec", or "auto" with a tree, which then runs that tree alone)."""
+        "longspec"; mode "auto": beside its deep tree when greedy below a batch of 4)."""
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
         if mode in ("longspec", AUTO_MODE):
             sampling_draft = sampling_draft_for(target, draft, sampling_draft)
             if draft is None:
                 draft = inference_draft(target)  # the shipped one, if any
-        if mode == AUTO_MODE and (tree_widths is not None or lookup_tokens):
+        if mode == AUTO_MODE and tree_widths is not None:
             mode = "longspec"  # a fixed tree was asked for
         self.target = target
         self.draft = draft
@@ -188,6 +189,13 @@ class Generator:
         self.attn_impl = attention.default_impl() if attn_impl is None else attn_impl
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
         self.lookup_tokens = int(lookup_tokens)
+        if mode == AUTO_MODE and self.lookup_tokens:  # the chain goes beside its deep tree
+            check_lookup_tokens("longspec", DEFAULT_WIDTHS, self.lookup_tokens)
+            if draft is None:
+                raise UserError(
+                    "lookup_tokens puts a prompt-lookup chain beside a draft's tree, and this target has no shipped "
+                    "draft: pass a draft (CLI: --draft PATH), or use mode 'pld'"
+                )
         enable_compile_cache()
         self.graphdef, self.params = nnx.split(target.decode_model())
         self._proposers: dict[tuple, tuple] = {}  # (plan or mode, sampled) -> (proposer, parameters)
@@ -219,7 +227,7 @@ class Generator:
                 )
             return self._proposers[(self.mode, True)]
         sampled = not request.sampling.greedy
-        plan = candidate_plan(draft is not None, request.sampling.greedy, batch)
+        plan = candidate_plan(draft is not None, request.sampling.greedy, batch, self.lookup_tokens)
         if (plan, sampled) not in self._proposers:
             self._proposers[(plan, sampled)] = adaptive_proposer(self.target, draft, plan)
         return self._proposers[(plan, sampled)]

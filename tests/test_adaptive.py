@@ -137,7 +137,7 @@ def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
     for b, (p, out) in enumerate(zip(prompts, reference)):
         known[b, : len(p) + len(out)] = p + out
     tree = DraftProposer(OracleDraft(VOCAB), widths)
-    adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", 0, NoProposal()), Candidate(name, 1, tree)))
+    adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", (0,), NoProposal()), Candidate(name, (1,), tree)))
     generator = Generator(target, mode="ar")
     generator.proposer_for_request = lambda request, batch: (adaptive, ((), jnp.asarray(known)))
     request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingSettings(), seed=0, eos_token_ids=())
@@ -191,6 +191,50 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
     assert auto.tokens == ar.tokens
     assert rounds_of(auto).keys() == dict(plan).keys()
     assert all(r > 0 for r in rounds_of(auto).values()), rounds_of(auto)
+
+
+def test_plans_put_a_lookup_chain_beside_the_deep_greedy_tree_only():
+    deep = "tree " + ",".join(map(str, DEFAULT_WIDTHS))
+    names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=10)]
+    assert names == ["ar", "pld 10", deep + "+pld 10", SHALLOW]
+    for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: unchanged
+        assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch)
+    assert candidate_plan(False, True, 1, lookup_tokens=10) == candidate_plan(False, True, 1)
+
+
+def test_a_tree_with_a_lookup_chain_shares_the_draft_and_the_history_and_switches_exactly(target, draft, monkeypatch):
+    """The tree with a chain proposes from the draft's state and prompt lookup's history together:
+    after its rounds neither catches up, after another candidate's the one it did not use does.
+    Switching among all of them every round or two keeps AR's greedy tokens."""
+    plan = (("ar", ()), ("pld 6", (1,) * 6), ("tree 2,2+pld 3", (2, 2)), ("tree 3", (3,)))
+    adaptive, params = adaptive_proposer(target, draft, plan)
+    assert len(adaptive.sources) == 3  # AR's, the prompt lookup's, the draft's
+    chained = adaptive.candidates[2]
+    assert chained.sources == (2, 1) and chained.depth == 3
+    assert [adaptive.waits_out(j, 2) for j in range(3)] == [False, False, False]
+    assert [adaptive.waits_out(j, 1) for j in range(3)] == [False, False, True]  # prompt lookup's run
+    assert [adaptive.waits_out(j, 3) for j in range(3)] == [False, True, False]  # the plain tree's run
+    monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([2, 1, 2, 3, 0, 2, 2, 1, 3, 2, 0, 2]))
+    seed = [3, 17, 29, 4, 11]
+    # A prompt followed by the target's own continuation, so that some lookups hit.
+    batch = [seed + generate(target, [seed], mode="ar", max_new_tokens=20, eos_token_ids=()).tokens[0], seed[:3]]
+    ar = generate(target, batch, mode="ar", max_new_tokens=40, eos_token_ids=())
+    generator = Generator(target, draft)
+    generator.proposer_for_request = lambda request, size: (adaptive, params)
+    auto = generator.generate(batch, max_new_tokens=40, eos_token_ids=())
+    assert auto.tokens == ar.tokens
+    assert all(r > 0 for r in rounds_of(auto).values()), rounds_of(auto)
+
+
+def test_mode_auto_with_a_lookup_chain_decodes_as_ar(target, draft, monkeypatch):
+    monkeypatch.setattr(calibration, "measure_rounds", forced_sequence([2, 2, 1, 2, 3, 2]))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, 21).tolist(), rng.integers(0, VOCAB, 8).tolist()]
+    ar = generate(target, prompts, mode="ar", max_new_tokens=30, eos_token_ids=())
+    auto = Generator(target, draft, lookup_tokens=4).generate(prompts, max_new_tokens=30, eos_token_ids=())
+    assert auto.tokens == ar.tokens
+    deep = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + "+pld 4"
+    assert rounds_of(auto)[deep] > 0
 
 
 def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):
@@ -435,7 +479,7 @@ def test_a_remembered_winner_runs_from_the_first_round(target, monkeypatch):
     known = np.zeros((1, 13 + max_new), np.int32)
     known[0, : 13 + max_new] = prompt + reference[0]
     tree = DraftProposer(OracleDraft(VOCAB), widths)
-    adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", 0, NoProposal()), Candidate(name, 1, tree)))
+    adaptive = Adaptive((NoProposal(), tree), (Candidate("ar", (0,), NoProposal()), Candidate(name, (1,), tree)))
     generator = Generator(target, mode="ar")
     generator.proposer_for_request = lambda request, batch: (adaptive, ((), jnp.asarray(known)))
     request = DecodeRequest(max_new_tokens=max_new, sampling=SamplingSettings(), seed=0, eos_token_ids=())

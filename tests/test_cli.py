@@ -125,7 +125,7 @@ def bad_prompt_files(tmp_path):
         (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--full-draft-vocabulary"], "a draft's modes"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--lookup-tokens", "3"], "beside a draft's tree"),
         (["--prompt-file", "{tmp}/long.txt", "--lookup-tokens", "-1"], "--lookup-tokens"),
-        (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--lookup-tokens", "3"], "needs a draft"),
+        (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--lookup-tokens", "3"], "no shipped draft"),
         # auto mode on a target without a shipped draft decodes AR, where tree widths mean nothing
         (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--tree-widths", "4,16"], "needs a draft"),
     ],
