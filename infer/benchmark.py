@@ -78,14 +78,14 @@ def _tokens_digest(tokens: list[int]) -> str:
 
 
 FULL_VOCABULARY = "+full"  # a --modes suffix: the draft proposes from the whole vocabulary
-LOOKUP_CHAIN = "+pld"  # a longspec --modes suffix: "+pld10", a 10-token prompt-lookup chain beside the tree
+LOOKUP_CHAIN = "+pld"  # a --modes suffix of longspec and auto: "+pld10", a 10-token lookup chain beside the tree
 
 
 def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     """(mode, its own tree widths or None) of a --modes entry: "ar", "auto", "pld", "longspec", or
     "pld:1" / "longspec:8-8-8" (a chain or tree of these widths, run and reported as its own mode);
-    longspec may then take "+pldN" (a prompt-lookup chain of N tokens beside its tree:
-    `lookup_tokens`); a draft's mode may end in "+full" (its draft proposes from the whole
+    longspec and auto may then take "+pldN" (a prompt-lookup chain of N tokens beside the tree,
+    auto's deep greedy one: `lookup_tokens`); a draft's mode may end in "+full" (its draft proposes from the whole
     vocabulary, not only its candidate tokens: `full_vocabulary`)."""
     from infer.generate import parse_widths
     from longspec_jax.generation import AUTO_MODE, MODES
@@ -97,12 +97,12 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
         mode not in (*MODES, AUTO_MODE)
         or (widths and mode not in ("pld", "longspec"))
         or (base != spec and mode not in ("longspec", AUTO_MODE))
-        or (with_lookup and mode != "longspec")
+        or (with_lookup and mode not in ("longspec", AUTO_MODE))
     ):
         raise UserError(
             f"unknown mode {spec!r} in --modes: choose from {', '.join((*MODES, AUTO_MODE))}, "
-            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8; longspec may take a lookup chain as in "
-            "longspec+pld10; longspec and auto may end in +full"
+            "or give pld / longspec a tree as in pld:1 or longspec:8-8-8; longspec and auto may take a lookup chain "
+            "as in longspec+pld10 and end in +full"
         )
     if not widths:
         return mode, None
