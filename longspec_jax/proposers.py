@@ -421,7 +421,9 @@ def check_lookup_tokens(mode: str, widths: tuple[int, ...], lookup_tokens: int) 
     must fit the verify's block."""
     if not lookup_tokens:
         return
-    if mode != "longspec" or lookup_tokens < 0:
+    if lookup_tokens < 0:
+        raise UserError(f"lookup_tokens is a token count (0: no lookup chain), got {lookup_tokens}")
+    if mode != "longspec":
         raise UserError(
             f"a lookup chain ({lookup_tokens} tokens) goes beside a draft's tree: use it with mode longspec"
         )

@@ -341,6 +341,8 @@ def test_bad_inputs_raise_user_errors(target):
     for mode in ("pld", "ar"):
         with pytest.raises(UserError, match="beside a draft's tree"):
             generate(target, [1, 2], mode=mode, lookup_tokens=3, max_new_tokens=2)
+    with pytest.raises(UserError, match="a token count"):
+        generate(target, [1, 2], mode="longspec", draft=draft, lookup_tokens=-2, max_new_tokens=2)
     with pytest.raises(UserError, match="drawn from the draft"):
         generate(target, [1, 2], mode="longspec", draft=draft, tree_widths=(1, 1), lookup_tokens=3, max_new_tokens=2)
     with pytest.raises(UserError, match="lookup chain of 10 tokens make 130 nodes"):
