@@ -282,14 +282,13 @@ def lookup_widths(widths, chain_tokens: int) -> tuple[int, ...]:
     return tuple((widths[d] if d < len(widths) else 0) + int(d < chain_tokens) for d in range(depth))
 
 
-def _lookup_layout(widths: tuple[int, ...], chain_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(where each node of the tree of `widths` goes, where each chain node goes): flat indices in
-    the tree of lookup_widths(widths, chain_tokens), whose levels hold the tree's nodes of that
-    depth in their order, then the chain's node of that depth."""
-    combined = lookup_widths(widths, chain_tokens)
-    tree_nodes = [0] + [level_slice(combined, d)[0] + j for d, w in enumerate(widths, start=1) for j in range(w)]
-    chain_nodes = [level_slice(combined, d)[1] - 1 for d in range(1, chain_tokens + 1)]
-    return np.asarray(tree_nodes, np.int32), np.asarray(chain_nodes, np.int32)
+def _lookup_order(widths: tuple[int, ...], chain_tokens: int) -> np.ndarray:
+    """int32[N']: for each flat node of the tree of lookup_widths(widths, chain_tokens), its index
+    in the tree's nodes followed by the chain's (levels hold the tree's nodes of that depth in their
+    order, then the chain's node of that depth)."""
+    n = num_nodes(widths)
+    depths = np.concatenate([node_depths(widths), np.arange(1, chain_tokens + 1)])
+    return np.argsort(depths * (n + chain_tokens) + (np.arange(n + chain_tokens) >= n), kind="stable").astype(np.int32)
 
 
 def with_lookup_chain(tree: Tree, chain: jax.Array, chain_noise: jax.Array | None = None) -> Tree:
@@ -302,34 +301,41 @@ def with_lookup_chain(tree: Tree, chain: jax.Array, chain_noise: jax.Array | Non
     A chain token may equal a draft sibling's: both are reached and carry the same prefix, so the
     target's picks below them are the same (greedy, or coupled picks with one noise a depth), and
     the walk keeps the deeper. Coupled candidates (tree.noise [B, D + 1, V]) need a noise for each
-    depth the chain adds past the tree's: chain_noise float32[B, max(L - D, 0), V]."""
+    depth the chain adds past the tree's: chain_noise float32[B, max(L - D, 0), V].
+
+    Built by appending the chain's nodes to the tree's and reordering them with one static
+    permutation (gathers, which fuse into their readers), not by scatters."""
     if tree.drawn_from is not None:
         raise ValueError("a drawn chain is verified by speculative sampling: it takes no lookup chain beside it")
     b, length = chain.shape
-    widths = lookup_widths(tree.widths, length)
-    n = num_nodes(widths)
-    tree_nodes, chain_nodes = _lookup_layout(tree.widths, length)
-    chain_parents = np.concatenate([[0], chain_nodes[:-1]]).astype(np.int32)
-    # Each chain node sees the root and the chain down to itself.
-    chain_mask = np.zeros((length, n), bool)
+    n = tree.tokens.shape[1]
+    order = _lookup_order(tree.widths, length)
+    position = np.argsort(order).astype(np.int32)  # where each appended node lands
+    # In appended order: chain node i's parent is the root, then chain node i - 1; it sees the root
+    # and the chain down to itself.
+    chain_parents = np.concatenate([[0], n + np.arange(length - 1)]).astype(np.int32)
+    chain_mask = np.zeros((length, n + length), bool)
     chain_mask[:, 0] = True
-    for i, node in enumerate(chain_nodes):
-        chain_mask[i:, node] = True
-    parents = jnp.where(tree.parents < 0, -1, jnp.asarray(tree_nodes)[jnp.maximum(tree.parents, 0)])
-    noise, extra = tree.noise, len(widths) - tree.depth
+    chain_mask[:, n:] = np.tril(np.ones((length, length), bool))
+    parents = jnp.concatenate([tree.parents, jnp.broadcast_to(jnp.asarray(chain_parents), (b, length))], axis=1)
+    parents = jnp.where(parents < 0, -1, jnp.asarray(position)[jnp.maximum(parents, 0)])
+    mask = jnp.concatenate(
+        [
+            jnp.pad(tree.mask, ((0, 0), (0, 0), (0, length))),
+            jnp.broadcast_to(jnp.asarray(chain_mask), (b, length, n + length)),
+        ],
+        axis=1,
+    )
+    noise, extra = tree.noise, max(length - tree.depth, 0)
     if noise is not None and extra:
         if chain_noise is None or chain_noise.shape[1] != extra:
             raise ValueError(f"coupled candidates need chain_noise of {extra} depths, got {chain_noise}")
         noise = jnp.concatenate([noise, chain_noise], axis=1)
     return Tree(
-        tokens=jnp.zeros((b, n), jnp.int32).at[:, tree_nodes].set(tree.tokens).at[:, chain_nodes].set(chain),
-        parents=jnp.full((b, n), -1, jnp.int32).at[:, tree_nodes].set(parents).at[:, chain_nodes].set(chain_parents),
-        scores=jnp.zeros((b, n), jnp.float32).at[:, tree_nodes].set(tree.scores),
-        mask=jnp.zeros((b, n, n), bool)
-        .at[:, tree_nodes[:, None], tree_nodes[None, :]]
-        .set(tree.mask)
-        .at[:, chain_nodes, :]
-        .set(jnp.asarray(chain_mask)),
-        widths=widths,
+        tokens=jnp.concatenate([tree.tokens, chain.astype(jnp.int32)], axis=1)[:, order],
+        parents=parents[:, order],
+        scores=jnp.concatenate([tree.scores, jnp.zeros((b, length), jnp.float32)], axis=1)[:, order],
+        mask=mask[:, order][:, :, order],
+        widths=lookup_widths(tree.widths, length),
         noise=noise,
     )
