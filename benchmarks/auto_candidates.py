@@ -45,7 +45,7 @@ def replaced_plan(plan: Plan, sampling: str, batches: set[int] | None, default=g
     and batch size (None: any) when the target has a draft or the plan needs none; `default` otherwise."""
     needs_draft = any(name.startswith("tree") for name, _ in plan)
 
-    def choose(has_draft: bool, greedy: bool, batch: int, lookup_tokens: int = 0) -> Plan:
+    def choose(has_draft: bool, greedy: bool, batch: int, lookup_tokens: int | None = None) -> Plan:
         applies = sampling == "all" or (sampling == "greedy") == greedy
         if applies and (batches is None or batch in batches) and (has_draft or not needs_draft):
             return plan

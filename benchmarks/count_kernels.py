@@ -81,14 +81,15 @@ def loop_program(
     batch: int = 1,
     small_rows=None,
     temperature: float = 0.0,
-    lookup_tokens: int = 0,
+    lookup_tokens: int | None = None,
 ):
     """The optimised HLO text of the decode loop `Generator` would run for `batch` prompts at
     `temperature` (0: greedy), compiled for `device` (a compile-only GPU from `gpu_device`, or any
     attached device). Mode "auto": the adaptive loop of the candidate plan for that sampling and
     batch size, which picks a candidate each round (`widths` does not apply); the other modes
     compile one program for every temperature. small_rows: the inference layout's small-row
-    products, the target's and the draft's (default: what that device decodes with)."""
+    products, the target's and the draft's (default: what that device decodes with). lookup_tokens:
+    the prompt-lookup chain beside the tree (None: the mode's default, as `Generator`'s)."""
     rows = small_rows_for(device.platform) if small_rows is None else small_rows
     if mode == "auto":
         plan = candidate_plan(draft is not None, temperature == 0.0, batch, lookup_tokens)
@@ -96,7 +97,7 @@ def loop_program(
         slack = proposer.slack
     else:
         proposer, proposer_params = proposer_for(
-            mode, target, draft, widths, small_rows=rows, lookup_tokens=lookup_tokens
+            mode, target, draft, widths, small_rows=rows, lookup_tokens=lookup_tokens or 0
         )
         slack = sum(proposer.widths)
     model = target.model.inference_layout(rows)
@@ -142,8 +143,9 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument(
         "--lookup-tokens",
         type=int,
-        default=0,
-        help="longspec's tree (auto: its deep greedy tree) with a prompt-lookup chain of this many tokens",
+        default=None,
+        help="longspec's tree (auto: its deep greedy tree) with a prompt-lookup chain of this many tokens "
+        "(default: none in longspec, auto's own default beside its deep greedy tree; 0: none)",
     )
     parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"

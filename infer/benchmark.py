@@ -22,10 +22,12 @@ task and temperature. At T = 0 each speculative run is also checked to give exac
 (lossless decoding). A mode may carry its own tree (`longspec:8-8-8`, `pld:1`: reported under
 that name beside the plain mode), and a draft's mode the suffix `+full` (`auto+full`,
 `longspec:4-4-4+full`: its draft proposes from the whole vocabulary, not only the candidate tokens
-saved with it). A mode the build cannot run (no draft, engine missing) is skipped with its
-reason. Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did;
-the same command with --resume runs only what is missing; --summarise builds the tables from such
-files); the full results go to --json-out; a markdown table is printed last.
+saved with it). `longspec+pld10` / `auto+pld10` put a 10-token prompt-lookup chain beside the tree
+(mode auto's deep greedy tree carries one by default: `auto+pld0` runs it without). A mode the
+build cannot run (no draft, engine missing) is skipped with its reason. Each run is appended to
+--runs-out as it finishes (a killed benchmark keeps what it did; the same command with --resume
+runs only what is missing; --summarise builds the tables from such files); the full results go to
+--json-out; a markdown table is printed last.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     from longspec_jax.generation import AUTO_MODE, MODES
 
     base = spec.removesuffix(FULL_VOCABULARY)
-    with_lookup = lookup_tokens(spec) > 0
+    with_lookup = lookup_tokens(spec) is not None
     mode, _, widths = base.partition(LOOKUP_CHAIN)[0].partition(":")
     if (
         mode not in (*MODES, AUTO_MODE)
@@ -112,13 +114,16 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
     return mode, parsed
 
 
-def lookup_tokens(spec: str) -> int:
-    """The prompt-lookup chain a --modes entry puts beside its tree ("longspec+pld10": 10; none: 0)."""
+def lookup_tokens(spec: str) -> int | None:
+    """The prompt-lookup chain a --modes entry puts beside its tree ("longspec+pld10": 10; "auto+pld0":
+    none; no suffix: None, the mode's default: none in longspec, `Generator`'s beside auto's deep tree)."""
     _, found, count = spec.removesuffix(FULL_VOCABULARY).partition(LOOKUP_CHAIN)
     if not found:
-        return 0
-    if not count.isdigit() or int(count) < 1:
-        raise UserError(f"the lookup chain in --modes {spec!r} must be a token count, as in longspec+pld10")
+        return None
+    if not count.isdigit():
+        raise UserError(
+            f"the lookup chain in --modes {spec!r} must be a token count, as in longspec+pld10 (auto+pld0: none)"
+        )
     return int(count)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from longspec_jax.adaptive import DEFAULT_LOOKUP_TOKENS
 from longspec_jax.attention import IMPLS
 from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import UserError
@@ -68,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=(*MODES, AUTO_MODE),
         default=DEFAULT_MODE,
-        help=f"decoding mode (default {DEFAULT_MODE}: longspec when a draft is given or shipped for the "
-        "target, as for the embedded SmolLM2; else ar)",
+        help=f"decoding mode (default {DEFAULT_MODE}: each round AR, prompt lookup or, with a draft given or "
+        "shipped for the target as for the embedded SmolLM2, the draft's tree, whichever is expected fastest)",
     )
     p.add_argument(
         "--tree-widths",
@@ -79,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lookup-tokens",
         type=int_in_range(0, MAX_TREE_NODES),
-        default=0,
+        default=None,
         help="a prompt-lookup chain of this many tokens beside the draft's tree, verified with it: a round keeps "
-        "the longer of the two (longspec; 0 = none)",
+        f"the longer of the two (0 = none; default: {DEFAULT_LOOKUP_TOKENS} beside mode auto's deep greedy tree, "
+        "none in mode longspec)",
     )
     p.add_argument(
         "--full-draft-vocabulary",

@@ -8,7 +8,7 @@ not once per round, and the host never steps in:
     "pld N"   a prompt-lookup chain of N tokens (free to propose, strong on text that repeats its
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft);
-    "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (greedy, when asked).
+    "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (the deep greedy tree).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
 tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a wide
 two-level tree coupled with the target's picks (acceptance.py), or at large batches a token drawn
@@ -54,6 +54,7 @@ LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
 SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
+DEFAULT_LOOKUP_TOKENS = PLD_DEFAULT_TOKENS  # the lookup chain beside the deep greedy tree unless asked otherwise
 
 
 LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,16,11+pld 10": the tree with a 10-token lookup chain beside it
@@ -141,7 +142,7 @@ class Adaptive:
 
 
 def candidate_plan(
-    has_draft: bool, greedy: bool, batch: int, lookup_tokens: int = 0
+    has_draft: bool, greedy: bool, batch: int, lookup_tokens: int | None = None
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, widths) of the candidates for a request: always AR, a draft tree when there is a draft,
     and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). Below
@@ -178,9 +179,13 @@ def candidate_plan(
     1.25 AR steps (AR's rate), and its trials took 6-32 of a request's 64 rounds from the tree
     (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
     Each candidate is one more branch to compile, so few.
-    lookup_tokens > 0: greedy below LARGE_BATCH, the deep tree carries a prompt-lookup chain of that
-    many tokens beside it (`proposers.DraftWithLookup`; CPU-measured tau +31-82 % on the eval sets,
-    not yet timed on a GPU, so not the default)."""
+    Greedy below LARGE_BATCH the deep tree carries a prompt-lookup chain beside it
+    (`proposers.DraftWithLookup`) of lookup_tokens tokens (None: DEFAULT_LOOKUP_TOKENS; 0: none): a
+    round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
+    least what the tree alone does, for 10 more verified rows and 2-4 more kernels (SmolLM2, compiled
+    for the H200; there a round's rows cost ~5 us each, 0.25 ms for 48). Greedy tau with it (SmolLM2
+    and its draft, CPU, float32, 8 prompts a task; tau does not depend on the device; BENCHMARKS.md):
+    see "A prompt-lookup chain beside the draft's tree" there. Not yet timed on a GPU."""
     if greedy:
         chains, trees = (
             ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
@@ -189,6 +194,8 @@ def candidate_plan(
         chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
+        if lookup_tokens is None:
+            lookup_tokens = DEFAULT_LOOKUP_TOKENS
         with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
         plan += [
             ("tree " + ",".join(map(str, w)) + (f"{LOOKUP_SUFFIX}{with_chain}" if with_chain and i == 0 else ""), w)

@@ -39,7 +39,13 @@ from flax import nnx
 
 from longspec_jax import attention
 from longspec_jax.acceptance_memory import memory_key, remember, weights_fingerprint, with_remembered
-from longspec_jax.adaptive import Adaptive, AdaptiveState, adaptive_proposer, candidate_plan
+from longspec_jax.adaptive import (
+    DEFAULT_LOOKUP_TOKENS,
+    Adaptive,
+    AdaptiveState,
+    adaptive_proposer,
+    candidate_plan,
+)
 from longspec_jax.calibration import calibrated, calibration_key, policy_stats
 from longspec_jax.candidate_vocabulary import candidate_tokens_key
 from longspec_jax.compile_cache import enable_compile_cache
@@ -167,13 +173,14 @@ class Generator:
         mode: str = DEFAULT_MODE,
         attn_impl: str | None = None,
         tree_widths=None,
-        lookup_tokens: int = 0,
+        lookup_tokens: int | None = None,
     ):
         """draft: the LongSpec draft (default: the one shipped for the target, if any);
         sampling_draft: the one for requests that sample (default: `draft` when one is given, else
-        the target's shipped sampling draft, else the shipped draft); lookup_tokens > 0: a
-        prompt-lookup chain of that many tokens beside the draft's tree, verified with it (mode
-        "longspec"; mode "auto": beside its deep tree when greedy below a batch of 4)."""
+        the target's shipped sampling draft, else the shipped draft); lookup_tokens: a prompt-lookup
+        chain of that many tokens beside the draft's tree, verified with it (mode "longspec": none
+        unless given; mode "auto": beside its deep tree when greedy below a batch of 4, by default
+        adaptive.DEFAULT_LOOKUP_TOKENS when there is a draft; 0: none)."""
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
         if mode in ("longspec", AUTO_MODE):
@@ -188,6 +195,8 @@ class Generator:
         self.mode = mode
         self.attn_impl = attention.default_impl() if attn_impl is None else attn_impl
         self.tree_widths = None if tree_widths is None else tuple(int(w) for w in tree_widths)
+        if lookup_tokens is None:
+            lookup_tokens = DEFAULT_LOOKUP_TOKENS if mode == AUTO_MODE and draft is not None else 0
         self.lookup_tokens = int(lookup_tokens)
         if mode == AUTO_MODE and self.lookup_tokens:  # the chain goes beside its deep tree
             check_lookup_tokens("longspec", DEFAULT_WIDTHS, self.lookup_tokens)
@@ -459,7 +468,7 @@ def generate(
     seed: int = 0,
     attn_impl: str | None = None,
     tree_widths=None,
-    lookup_tokens: int = 0,
+    lookup_tokens: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     stream: StreamCallback | None = None,
     stream_every: int = 32,

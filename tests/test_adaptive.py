@@ -17,6 +17,7 @@ from scipy import stats
 from longspec_jax import acceptance_memory, calibration
 from longspec_jax.adaptive import (
     COUPLED_TREE,
+    DEFAULT_LOOKUP_TOKENS,
     DRAWN_CHAIN,
     SHALLOW_TREE,
     Adaptive,
@@ -26,6 +27,7 @@ from longspec_jax.adaptive import (
 )
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
+from longspec_jax.errors import UserError
 from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
@@ -195,11 +197,28 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
 
 def test_plans_put_a_lookup_chain_beside_the_deep_greedy_tree_only():
     deep = "tree " + ",".join(map(str, DEFAULT_WIDTHS))
-    names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=10)]
-    assert names == ["ar", "pld 10", deep + "+pld 10", SHALLOW]
-    for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: unchanged
-        assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch)
+    names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=6)]
+    assert names == ["ar", "pld 10", deep + "+pld 6", SHALLOW]
+    # By default the deep greedy tree carries a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off.
+    assert [n for n, _ in candidate_plan(True, True, 1)][2] == f"{deep}+pld {DEFAULT_LOOKUP_TOKENS}"
+    assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == ["ar", "pld 10", deep, SHALLOW]
+    for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: no chain
+        assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch, 0)
+        assert candidate_plan(True, greedy, batch) == candidate_plan(True, greedy, batch, 0)
     assert candidate_plan(False, True, 1, lookup_tokens=10) == candidate_plan(False, True, 1)
+
+
+def test_generator_resolves_the_lookup_chain_by_mode_and_draft(target, draft):
+    """Mode auto with a draft carries the default chain unless told otherwise; a fixed longspec tree,
+    or auto without a draft (no tree to put it beside), none unless asked."""
+    assert Generator(target, draft).lookup_tokens == DEFAULT_LOOKUP_TOKENS > 0
+    assert Generator(target, draft, lookup_tokens=0).lookup_tokens == 0
+    assert Generator(target, draft, lookup_tokens=3).lookup_tokens == 3
+    assert Generator(target, draft, mode="longspec").lookup_tokens == 0
+    assert Generator(target, draft, tree_widths=(2, 2)).lookup_tokens == 0  # a fixed tree: mode longspec
+    assert Generator(target).lookup_tokens == 0  # this tiny target ships no draft
+    with pytest.raises(UserError, match="no shipped draft"):
+        Generator(target, lookup_tokens=3)
 
 
 def test_a_tree_with_a_lookup_chain_shares_the_draft_and_the_history_and_switches_exactly(target, draft, monkeypatch):

@@ -439,7 +439,7 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert benchmark.main([*common, "--tree-widths", "4,x"]) == 2
 
     # Modes with trees of their own run beside the plain ones, each reported under its name.
-    modes = ("longspec", "longspec:2", "pld:1-1", "longspec:2+pld3", "auto+pld3")
+    modes = ("longspec", "longspec:2", "pld:1-1", "longspec:2+pld3", "auto", "auto+pld0")
     assert benchmark.main([*common, "--modes", ",".join(("ar",) + modes), "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
     by_mode = {r["mode"]: r for r in report["runs"]}
@@ -448,8 +448,10 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert all(by_mode[m]["matches_ar"] is True for m in modes)
     assert {g["mode"] for g in report["summary"]["by_task"]} == {"ar", *modes}
     assert "| longspec:2 |" in report["markdown"]
-    assert "tree 4,16,16,16,11+pld 3" in by_mode["auto+pld3"]["policy"]["candidates"]  # auto's deep tree has it
-    for bad in ("longspec:2-x", "ar:2", "tree:2", "pld:0", "ar+pld3", "pld:1+pld2", "longspec+pldx", "longspec+pld0"):
+    # Auto's deep greedy tree carries the default lookup chain; "+pld0" runs it without.
+    assert "tree 4,16,16,16,11+pld 10" in by_mode["auto"]["policy"]["candidates"]
+    assert "tree 4,16,16,16,11" in by_mode["auto+pld0"]["policy"]["candidates"]
+    for bad in ("longspec:2-x", "ar:2", "tree:2", "pld:0", "ar+pld3", "pld:1+pld2", "longspec+pldx", "auto+pld-1"):
         assert benchmark.main([*common, "--modes", f"ar,{bad}"]) == 2
 
 
