@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import count_kernels
 from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels, while_loops
-from longspec_jax.adaptive import candidate_plan
+from longspec_jax.adaptive import candidate_plan, lookup_tokens_of
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.target import random_target
@@ -45,17 +45,20 @@ def test_a_lookup_chain_beside_the_tree_adds_its_search_to_the_round():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mode_auto_loop_holds_every_candidate(temperature):
     """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
-    chain, the draft's deep and shallow trees; sampling: AR and a coupled tree): more kernels than its largest
-    tree's round alone, whose kernels it holds, in an inner loop per candidate whose round launches
-    a few more kernels than the tree's own loop (the policy's bookkeeping). The plan follows the
-    temperature."""
+    chain, the draft's deep tree with a lookup chain beside it and its shallow tree; sampling: AR and
+    a coupled tree): more kernels than its largest tree's round alone, whose kernels it holds, in an
+    inner loop per candidate whose round launches a few more kernels than the tree's own loop (the
+    policy's bookkeeping). The plan follows the temperature."""
     target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
     draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
     cpu = jax.devices("cpu")[0]
     plan = candidate_plan(True, temperature == 0.0, 1)
-    widths = max((w for name, w in plan if name.startswith("tree")), key=sum)
+    name, widths = max(((name, w) for name, w in plan if name.startswith("tree")), key=lambda c: sum(c[1]))
     auto = count_kernels.loop_program(target, draft, "auto", 40, 8, "xla", cpu, temperature=temperature)
-    tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths)
+    # The same tree fixed, with the lookup chain auto's greedy plan puts beside it.
+    chain = lookup_tokens_of(name)
+    assert (chain > 0) == (temperature == 0.0)
+    tree = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", cpu, widths=widths, lookup_tokens=chain)
     assert " conditional(" in auto and " conditional(" not in tree
     assert loop_body_kernels(auto) > loop_body_kernels(tree)
     # One branch per candidate of the plan for this temperature (greedy 4, sampling 2 at batch 1).
