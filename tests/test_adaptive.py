@@ -37,6 +37,7 @@ from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_fir
 
 VOCAB = 40
 SHALLOW = "tree " + ",".join(map(str, SHALLOW_TREE))  # greedy batch 1's second tree
+DEEP = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"  # ... its first, with the chain
 
 
 @pytest.fixture(autouse=True)
@@ -114,16 +115,14 @@ def test_plans_fit_sampling_and_batch():
 
 
 def test_random_draft_falls_back_to_ar_and_stays_exact(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(
-        calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, "tree 4,16,16,16,11": 2.0, SHALLOW: 1.6})
-    )
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, DEEP: 2.0, SHALLOW: 1.6}))
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=48, eos_token_ids=())
     auto = generate(target, prompt, draft=draft, max_new_tokens=48, eos_token_ids=())
     assert auto.tokens == ar.tokens
     rounds = rounds_of(auto)
     assert rounds["ar"] >= 0.7 * sum(rounds.values()), rounds
-    assert auto.stats.policy["candidates"]["tree 4,16,16,16,11"]["tokens_per_round"] < 2.0
+    assert auto.stats.policy["candidates"][DEEP]["tokens_per_round"] < 2.0
 
 
 def test_a_draft_that_is_always_right_keeps_speculating(target, monkeypatch):
@@ -378,7 +377,7 @@ def test_prompt_lookup_that_sits_out_other_rounds_catches_up_to_the_same_history
 # Mode auto remembers what each candidate kept per round and starts the next request of the same
 # kind from it (acceptance_memory.py, policy.with_memory).
 
-TREE = "tree 4,16,16,16,11"
+TREE = DEEP  # greedy's deep tree at batch 1
 DRAWN_TREE = "tree " + ",".join(map(str, DRAWN_CHAIN))  # the draft's candidate at T > 0, large batches
 COUPLED = "tree " + ",".join(map(str, COUPLED_TREE))  # ... and below them
 
