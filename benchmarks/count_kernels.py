@@ -144,8 +144,8 @@ def main(argv=None) -> dict[str, int]:
         "--lookup-tokens",
         type=int,
         default=None,
-        help="longspec's tree (auto: its deep greedy tree) with a prompt-lookup chain of this many tokens "
-        "(default: none in longspec, auto's own default beside its deep greedy tree; 0: none)",
+        help="longspec's tree (auto: its greedy trees) with a prompt-lookup chain of this many tokens "
+        "(default: none in longspec, auto's own default beside its greedy trees; 0: none)",
     )
     parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 2-3 rows as GEMMs (the layout before SMALL_ROWS)"

@@ -8,7 +8,7 @@ not once per round, and the host never steps in:
     "pld N"   a prompt-lookup chain of N tokens (free to propose, strong on text that repeats its
               context);
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft);
-    "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (the deep greedy tree).
+    "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (the greedy trees).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
 tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a wide
 two-level tree coupled with the target's picks (acceptance.py), or at large batches a token drawn
@@ -54,7 +54,7 @@ LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
 SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
-DEFAULT_LOOKUP_TOKENS = PLD_DEFAULT_TOKENS  # the lookup chain beside the deep greedy tree unless asked otherwise
+DEFAULT_LOOKUP_TOKENS = PLD_DEFAULT_TOKENS  # the lookup chain beside the greedy trees unless asked otherwise
 
 
 LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,16,11+pld 10": the tree with a 10-token lookup chain beside it
@@ -179,13 +179,15 @@ def candidate_plan(
     1.25 AR steps (AR's rate), and its trials took 6-32 of a request's 64 rounds from the tree
     (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
     Each candidate is one more branch to compile, so few.
-    Greedy below LARGE_BATCH the deep tree carries a prompt-lookup chain beside it
+    Greedy below LARGE_BATCH both trees carry a prompt-lookup chain beside them
     (`proposers.DraftWithLookup`) of lookup_tokens tokens (None: DEFAULT_LOOKUP_TOKENS; 0: none): a
     round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
-    least what the tree alone does, for 10 more verified rows and 2-4 more kernels (SmolLM2, compiled
-    for the H200; there a round's rows cost ~5 us each, 0.25 ms for 48). Greedy tau with it (SmolLM2
-    and its draft, CPU, float32, 8 prompts a task; tau does not depend on the device; BENCHMARKS.md):
-    see "A prompt-lookup chain beside the draft's tree" there. Not yet timed on a GPU."""
+    least what the tree alone does, for 10 more verified rows and a few more kernels (SmolLM2's
+    rounds on the H200 cost ~5 us a row: 0.25 ms for 48). Greedy tau, SmolLM2 and its draft, 128
+    tokens (CPU, float32; tau does not depend on the device; BENCHMARKS.md, 2026-12-05), the deep
+    tree alone -> with the chain, 8 prompts a task: stdlib code 4.65 -> 5.85, docs summaries 3.44 ->
+    5.23, diverse code 3.35 -> 6.25, diverse summaries 2.79 -> 3.78; the shallow tree on 4 diverse
+    prompts a task likewise (summaries +38-47 %), every prompt at least as much. Not yet timed on a GPU."""
     if greedy:
         chains, trees = (
             ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
@@ -197,10 +199,8 @@ def candidate_plan(
         if lookup_tokens is None:
             lookup_tokens = DEFAULT_LOOKUP_TOKENS
         with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
-        plan += [
-            ("tree " + ",".join(map(str, w)) + (f"{LOOKUP_SUFFIX}{with_chain}" if with_chain and i == 0 else ""), w)
-            for i, w in enumerate(trees)
-        ]
+        suffix = f"{LOOKUP_SUFFIX}{with_chain}" if with_chain else ""
+        plan += [("tree " + ",".join(map(str, w)) + suffix, w) for w in trees]
     return tuple(plan)
 
 

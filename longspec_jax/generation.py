@@ -179,7 +179,7 @@ class Generator:
         sampling_draft: the one for requests that sample (default: `draft` when one is given, else
         the target's shipped sampling draft, else the shipped draft); lookup_tokens: a prompt-lookup
         chain of that many tokens beside the draft's tree, verified with it (mode "longspec": none
-        unless given; mode "auto": beside its deep tree when greedy below a batch of 4, by default
+        unless given; mode "auto": beside its trees when greedy below a batch of 4, by default
         adaptive.DEFAULT_LOOKUP_TOKENS when there is a draft; 0: none)."""
         if mode not in (*MODES, AUTO_MODE):
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join((*MODES, AUTO_MODE))}")
@@ -198,7 +198,7 @@ class Generator:
         if lookup_tokens is None:
             lookup_tokens = DEFAULT_LOOKUP_TOKENS if mode == AUTO_MODE and draft is not None else 0
         self.lookup_tokens = int(lookup_tokens)
-        if mode == AUTO_MODE and self.lookup_tokens:  # the chain goes beside its deep tree
+        if mode == AUTO_MODE and self.lookup_tokens:  # the chain goes beside its greedy trees
             check_lookup_tokens("longspec", DEFAULT_WIDTHS, self.lookup_tokens)
             if draft is None:
                 raise UserError(

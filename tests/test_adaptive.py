@@ -36,8 +36,9 @@ from longspec_jax.tree import DEFAULT_WIDTHS
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
 
 VOCAB = 40
-SHALLOW = "tree " + ",".join(map(str, SHALLOW_TREE))  # greedy batch 1's second tree
-DEEP = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"  # ... its first, with the chain
+# Greedy batch 1's trees, each with the default lookup chain beside it.
+DEEP = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"
+SHALLOW = "tree " + ",".join(map(str, SHALLOW_TREE)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"
 
 
 @pytest.fixture(autouse=True)
@@ -194,13 +195,13 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
     assert all(r > 0 for r in rounds_of(auto).values()), rounds_of(auto)
 
 
-def test_plans_put_a_lookup_chain_beside_the_deep_greedy_tree_only():
-    deep = "tree " + ",".join(map(str, DEFAULT_WIDTHS))
+def test_plans_put_a_lookup_chain_beside_the_greedy_trees_only():
+    deep, shallow = ("tree " + ",".join(map(str, w)) for w in (DEFAULT_WIDTHS, SHALLOW_TREE))
     names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=6)]
-    assert names == ["ar", "pld 10", deep + "+pld 6", SHALLOW]
-    # By default the deep greedy tree carries a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off.
-    assert [n for n, _ in candidate_plan(True, True, 1)][2] == f"{deep}+pld {DEFAULT_LOOKUP_TOKENS}"
-    assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == ["ar", "pld 10", deep, SHALLOW]
+    assert names == ["ar", "pld 10", deep + "+pld 6", shallow + "+pld 6"]
+    # By default both greedy trees carry a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off.
+    assert [n for n, _ in candidate_plan(True, True, 1)] == ["ar", "pld 10", DEEP, SHALLOW]
+    assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == ["ar", "pld 10", deep, shallow]
     for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: no chain
         assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch, 0)
         assert candidate_plan(True, greedy, batch) == candidate_plan(True, greedy, batch, 0)
@@ -251,8 +252,8 @@ def test_mode_auto_with_a_lookup_chain_decodes_as_ar(target, draft, monkeypatch)
     ar = generate(target, prompts, mode="ar", max_new_tokens=30, eos_token_ids=())
     auto = Generator(target, draft, lookup_tokens=4).generate(prompts, max_new_tokens=30, eos_token_ids=())
     assert auto.tokens == ar.tokens
-    deep = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + "+pld 4"
-    assert rounds_of(auto)[deep] > 0
+    for widths in (DEFAULT_WIDTHS, SHALLOW_TREE):  # both greedy trees ran, each with its chain
+        assert rounds_of(auto)["tree " + ",".join(map(str, widths)) + "+pld 4"] > 0
 
 
 def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):

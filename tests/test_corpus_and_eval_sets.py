@@ -448,7 +448,7 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert all(by_mode[m]["matches_ar"] is True for m in modes)
     assert {g["mode"] for g in report["summary"]["by_task"]} == {"ar", *modes}
     assert "| longspec:2 |" in report["markdown"]
-    # Auto's deep greedy tree carries the default lookup chain; "+pld0" runs it without.
+    # Auto's greedy trees carry the default lookup chain; "+pld0" runs them without.
     assert "tree 4,16,16,16,11+pld 10" in by_mode["auto"]["policy"]["candidates"]
     assert "tree 4,16,16,16,11" in by_mode["auto+pld0"]["policy"]["candidates"]
     for bad in ("longspec:2-x", "ar:2", "tree:2", "pld:0", "ar+pld3", "pld:1+pld2", "longspec+pldx", "auto+pld-1"):
