@@ -186,8 +186,9 @@ def candidate_plan(
     rounds on the H200 cost ~5 us a row: 0.25 ms for 48). Greedy tau, SmolLM2 and its draft, 128
     tokens (CPU, float32; tau does not depend on the device; BENCHMARKS.md, 2026-12-05), the deep
     tree alone -> with the chain, 8 prompts a task: stdlib code 4.65 -> 5.85, docs summaries 3.44 ->
-    5.23, diverse code 3.35 -> 6.25, diverse summaries 2.79 -> 3.78; the shallow tree on 4 diverse
-    prompts a task likewise (summaries +38-47 %), every prompt at least as much. Not yet timed on a GPU."""
+    5.23, diverse code 3.35 -> 6.25, diverse summaries 2.79 -> 3.78; the shallow tree, 4 diverse
+    prompts a task: code 2.87 -> 5.58, summaries 2.11 -> 3.02; every prompt kept at least as much.
+    Not yet timed on a GPU."""
     if greedy:
         chains, trees = (
             ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
