@@ -29,7 +29,7 @@ from unittest import mock
 
 from benchmarks.request_overhead import length_points, marginal_round_s
 from longspec_jax import calibration
-from longspec_jax.adaptive import candidate_plan
+from longspec_jax.adaptive import candidate_plan, lookup_tokens_of
 from longspec_jax.generation import Generator
 
 IDLE_GAPS_S = (0.0, 0.05, 0.5)
@@ -37,12 +37,12 @@ WARM_CALLS = 5  # untimed requests before a fixed mode is timed: a GPU builds it
 
 
 def fixed_generator(target, draft, name: str, widths: tuple[int, ...]) -> Generator:
-    """The fixed mode that runs only candidate `name` ("ar", "pld N", "tree W")."""
+    """The fixed mode that runs only candidate `name` ("ar", "pld N", "tree W", "tree W+pld N")."""
     if name == "ar":
         return Generator(target, mode="ar")
     if name.startswith("pld"):
         return Generator(target, mode="pld", tree_widths=widths)
-    return Generator(target, draft, mode="longspec", tree_widths=widths)
+    return Generator(target, draft, mode="longspec", tree_widths=widths, lookup_tokens=lookup_tokens_of(name))
 
 
 def calibrations(generator: Generator, prompt, times: int, **request) -> list[dict[str, float]]:
