@@ -116,7 +116,7 @@ def parse_mode_spec(spec: str) -> tuple[str, tuple[int, ...] | None]:
 
 def lookup_tokens(spec: str) -> int | None:
     """The prompt-lookup chain a --modes entry puts beside its tree ("longspec+pld10": 10; "auto+pld0":
-    none; no suffix: None, the mode's default: none in longspec, `Generator`'s beside auto's deep tree)."""
+    none; no suffix: None, the mode's default: none in longspec, `Generator`'s beside auto's greedy trees)."""
     _, found, count = spec.removesuffix(FULL_VOCABULARY).partition(LOOKUP_CHAIN)
     if not found:
         return None
