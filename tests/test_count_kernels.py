@@ -45,7 +45,7 @@ def test_a_lookup_chain_beside_the_tree_adds_its_search_to_the_round():
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_mode_auto_loop_holds_every_candidate(temperature):
     """Mode auto's loop branches to each candidate's round (batch 1, greedy: AR, a prompt-lookup
-    chain, the draft's deep tree with a lookup chain beside it and its shallow tree; sampling: AR and
+    chain, the draft's deep and shallow trees, each with a lookup chain beside it; sampling: AR and
     a coupled tree): more kernels than its largest tree's round alone, whose kernels it holds, in an
     inner loop per candidate whose round launches a few more kernels than the tree's own loop (the
     policy's bookkeeping). The plan follows the temperature."""
