@@ -54,10 +54,22 @@ LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
 SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
-DEFAULT_LOOKUP_TOKENS = PLD_DEFAULT_TOKENS  # the lookup chain beside the greedy trees unless asked otherwise
+DEFAULT_LOOKUP_TOKENS = 16  # the lookup chain beside the greedy trees unless asked otherwise
+CHAINED_DEEP_TREE = (4, 16, 16, 11)  # the deep greedy tree with a chain: 47 nodes and the root, 64 rows with 16
+LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,11+pld 16": the tree with a 16-token lookup chain beside it
 
 
-LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,16,11+pld 10": the tree with a 10-token lookup chain beside it
+def tree_candidate_name(widths: tuple[int, ...], lookup_tokens: int = 0) -> str:
+    """A tree candidate's name: "tree 4,4,4", or with a lookup chain beside it "tree 4,4,4+pld 16"
+    (`lookup_tokens_of` reads the chain back)."""
+    return "tree " + ",".join(map(str, widths)) + (f"{LOOKUP_SUFFIX}{lookup_tokens}" if lookup_tokens else "")
+
+
+def greedy_deep_tree(lookup_tokens: int) -> tuple[int, ...]:
+    """The deep greedy tree below LARGE_BATCH: with a lookup chain one level shallower than the
+    longspec mode's tree (CHAINED_DEEP_TREE), so that it and a 16-token chain fill the 64 query rows
+    the verify's attention runs in one tile; without a chain the longspec mode's DEFAULT_WIDTHS."""
+    return CHAINED_DEEP_TREE if lookup_tokens else DEFAULT_WIDTHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,26 +194,30 @@ def candidate_plan(
     Greedy below LARGE_BATCH both trees carry a prompt-lookup chain beside them
     (`proposers.DraftWithLookup`) of lookup_tokens tokens (None: DEFAULT_LOOKUP_TOKENS; 0: none): a
     round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
-    least what the tree alone does, for 10 more verified rows and a few more kernels (SmolLM2's
-    rounds on the H200 cost ~5 us a row: 0.25 ms for 48). Greedy tau, SmolLM2 and its draft, 128
-    tokens (CPU, float32; tau does not depend on the device; BENCHMARKS.md, 2026-12-05), the deep
-    tree alone -> with the chain, 8 prompts a task: stdlib code 4.65 -> 5.85, docs summaries 3.44 ->
-    5.23, diverse code 3.35 -> 6.25, diverse summaries 2.79 -> 3.78; the shallow tree, 4 diverse
-    prompts a task: code 2.87 -> 5.58, summaries 2.11 -> 3.02; every prompt kept at least as much.
-    Not yet timed on a GPU."""
+    least what the tree alone does. With a chain the deep tree is one level shallower
+    (`greedy_deep_tree`): a 16-token chain beside (4, 16, 16, 11) verifies 64 rows, as the longspec
+    mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74 and cost more (SmolLM2's
+    round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's at 4k 7.23 -> 7.70 ms). On the
+    H200 (SmolLM2 and its draft, T = 0, 8 prompts a task, 128 tokens, BENCHMARKS.md, 2026-12-05),
+    fixed, (4, 16, 16, 11) with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs
+    summaries and 2.92x / 1.71x on the diverse sets, the deep tree with 10 tokens at 2.36x / 1.89x /
+    2.47x / 1.56x, the deep tree alone at 1.93x / 1.46x / 1.35x / 1.19x; mode auto with this plan
+    at 2.33x / 2.17x / 2.92x / 1.72x (with 10-token chains 2.05x / 1.95x / 2.72x / 1.58x, same
+    process). The chain alone stays PLD_DEFAULT_TOKENS long: with 16, mode auto's tokens per ms of
+    round went up on two of the four sets and down on the other two."""
+    lookup_tokens = DEFAULT_LOOKUP_TOKENS if lookup_tokens is None else lookup_tokens
+    with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
     if greedy:
         chains, trees = (
-            ((1,), [(2,)]) if batch >= LARGE_BATCH else ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
+            ((1,), [(2,)])
+            if batch >= LARGE_BATCH
+            else ((PLD_DEFAULT_TOKENS,), [greedy_deep_tree(with_chain), SHALLOW_TREE])
         )
     else:
         chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
-        if lookup_tokens is None:
-            lookup_tokens = DEFAULT_LOOKUP_TOKENS
-        with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
-        suffix = f"{LOOKUP_SUFFIX}{with_chain}" if with_chain else ""
-        plan += [("tree " + ",".join(map(str, w)) + suffix, w) for w in trees]
+        plan += [(tree_candidate_name(w, with_chain), w) for w in trees]
     return tuple(plan)
 
 

@@ -45,6 +45,7 @@ from longspec_jax.adaptive import (
     AdaptiveState,
     adaptive_proposer,
     candidate_plan,
+    greedy_deep_tree,
 )
 from longspec_jax.calibration import calibrated, calibration_key, policy_stats
 from longspec_jax.candidate_vocabulary import candidate_tokens_key
@@ -73,7 +74,6 @@ from longspec_jax.proposers import check_lookup_tokens, proposer_for
 from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from longspec_jax.tokenizer import decode as decode_text
-from longspec_jax.tree import DEFAULT_WIDTHS
 
 __all__ = ["AUTO_MODE", "DEFAULT_MODE", "MODES", "GenerationResult", "GenerationStats", "Generator", "generate"]
 
@@ -199,7 +199,7 @@ class Generator:
             lookup_tokens = DEFAULT_LOOKUP_TOKENS if mode == AUTO_MODE and draft is not None else 0
         self.lookup_tokens = int(lookup_tokens)
         if mode == AUTO_MODE and self.lookup_tokens:  # the chain goes beside its greedy trees
-            check_lookup_tokens("longspec", DEFAULT_WIDTHS, self.lookup_tokens)
+            check_lookup_tokens("longspec", greedy_deep_tree(self.lookup_tokens), self.lookup_tokens)
             if draft is None:
                 raise UserError(
                     "lookup_tokens puts a prompt-lookup chain beside a draft's tree, and this target has no shipped "

@@ -16,6 +16,7 @@ from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
 from longspec_jax.adaptive import (
+    CHAINED_DEEP_TREE,
     COUPLED_TREE,
     DEFAULT_LOOKUP_TOKENS,
     DRAWN_CHAIN,
@@ -24,6 +25,7 @@ from longspec_jax.adaptive import (
     Candidate,
     adaptive_proposer,
     candidate_plan,
+    tree_candidate_name,
 )
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
@@ -32,13 +34,13 @@ from longspec_jax.generation import DecodeRequest, Generator, generate
 from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
 from longspec_jax.sampling import SamplingParams, SamplingSettings
-from longspec_jax.tree import DEFAULT_WIDTHS
+from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, num_nodes
 from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_first_three, sharpened_target
 
 VOCAB = 40
 # Greedy batch 1's trees, each with the default lookup chain beside it.
-DEEP = "tree " + ",".join(map(str, DEFAULT_WIDTHS)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"
-SHALLOW = "tree " + ",".join(map(str, SHALLOW_TREE)) + f"+pld {DEFAULT_LOOKUP_TOKENS}"
+DEEP = tree_candidate_name(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS)
+SHALLOW = tree_candidate_name(SHALLOW_TREE, DEFAULT_LOOKUP_TOKENS)
 
 
 @pytest.fixture(autouse=True)
@@ -103,8 +105,8 @@ def test_plans_fit_sampling_and_batch():
     # At T > 0 the draft's candidate is a small tree coupled with the target's picks, at large
     # batches a token drawn from it.
     trees = lambda plan: sorted(w for n, w in plan.items() if n.startswith("tree"))  # noqa: E731
-    # Greedy at batch 1: the deep default tree and a shallow one for text the draft knows less.
-    assert set(trees(greedy)) == {DEFAULT_WIDTHS, SHALLOW_TREE} and len(SHALLOW_TREE) < len(DEFAULT_WIDTHS)
+    # Greedy at batch 1: a deep tree and a shallow one for text the draft knows less.
+    assert set(trees(greedy)) == {CHAINED_DEEP_TREE, SHALLOW_TREE} and len(SHALLOW_TREE) < len(CHAINED_DEEP_TREE)
     assert trees(sampled) == [COUPLED_TREE]
     assert trees(batched_sampled) == [DRAWN_CHAIN]
     assert sum(COUPLED_TREE) < sum(tree(greedy))
@@ -196,12 +198,16 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
 
 
 def test_plans_put_a_lookup_chain_beside_the_greedy_trees_only():
-    deep, shallow = ("tree " + ",".join(map(str, w)) for w in (DEFAULT_WIDTHS, SHALLOW_TREE))
     names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=6)]
-    assert names == ["ar", "pld 10", deep + "+pld 6", shallow + "+pld 6"]
-    # By default both greedy trees carry a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off.
+    assert names == ["ar", "pld 10", tree_candidate_name(CHAINED_DEEP_TREE, 6), tree_candidate_name(SHALLOW_TREE, 6)]
+    # By default both greedy trees carry a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off, and the deep
+    # tree is then the longspec mode's, one level deeper.
     assert [n for n, _ in candidate_plan(True, True, 1)] == ["ar", "pld 10", DEEP, SHALLOW]
-    assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == ["ar", "pld 10", deep, shallow]
+    unchained = ["ar", "pld 10", tree_candidate_name(DEFAULT_WIDTHS), tree_candidate_name(SHALLOW_TREE)]
+    assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == unchained
+    assert len(CHAINED_DEEP_TREE) == len(DEFAULT_WIDTHS) - 1
+    # The default chain beside the deep tree fills the rows the longspec mode's tree alone takes.
+    assert num_nodes(lookup_widths(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS)) == num_nodes(DEFAULT_WIDTHS)
     for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: no chain
         assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch, 0)
         assert candidate_plan(True, greedy, batch) == candidate_plan(True, greedy, batch, 0)
@@ -252,8 +258,8 @@ def test_mode_auto_with_a_lookup_chain_decodes_as_ar(target, draft, monkeypatch)
     ar = generate(target, prompts, mode="ar", max_new_tokens=30, eos_token_ids=())
     auto = Generator(target, draft, lookup_tokens=4).generate(prompts, max_new_tokens=30, eos_token_ids=())
     assert auto.tokens == ar.tokens
-    for widths in (DEFAULT_WIDTHS, SHALLOW_TREE):  # both greedy trees ran, each with its chain
-        assert rounds_of(auto)["tree " + ",".join(map(str, widths)) + "+pld 4"] > 0
+    for widths in (CHAINED_DEEP_TREE, SHALLOW_TREE):  # both greedy trees ran, each with its chain
+        assert rounds_of(auto)[tree_candidate_name(widths, 4)] > 0
 
 
 def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):
@@ -379,8 +385,8 @@ def test_prompt_lookup_that_sits_out_other_rounds_catches_up_to_the_same_history
 # kind from it (acceptance_memory.py, policy.with_memory).
 
 TREE = DEEP  # greedy's deep tree at batch 1
-DRAWN_TREE = "tree " + ",".join(map(str, DRAWN_CHAIN))  # the draft's candidate at T > 0, large batches
-COUPLED = "tree " + ",".join(map(str, COUPLED_TREE))  # ... and below them
+DRAWN_TREE = tree_candidate_name(DRAWN_CHAIN)  # the draft's candidate at T > 0, large batches
+COUPLED = tree_candidate_name(COUPLED_TREE)  # ... and below them
 
 
 def test_with_memory_sets_only_untried_remembered_candidates():
