@@ -67,8 +67,8 @@ def tree_candidate_name(widths: tuple[int, ...], lookup_tokens: int = 0) -> str:
 
 def greedy_deep_tree(lookup_tokens: int) -> tuple[int, ...]:
     """The deep greedy tree below LARGE_BATCH: with a lookup chain one level shallower than the
-    longspec mode's tree (CHAINED_DEEP_TREE), so that it and a 16-token chain fill the 64 query rows
-    the verify's attention runs in one tile; without a chain the longspec mode's DEFAULT_WIDTHS."""
+    longspec mode's tree (CHAINED_DEEP_TREE), so that it and a 16-token chain verify the 64 rows that
+    tree alone does (74 rows made a round's matrix products slower); without a chain DEFAULT_WIDTHS."""
     return CHAINED_DEEP_TREE if lookup_tokens else DEFAULT_WIDTHS
 
 
@@ -196,10 +196,10 @@ def candidate_plan(
     round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
     least what the tree alone does. With a chain the deep tree is one level shallower
     (`greedy_deep_tree`): a 16-token chain beside (4, 16, 16, 11) verifies 64 rows, as the longspec
-    mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74 and cost more (SmolLM2's
-    round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's at 4k 7.23 -> 7.70 ms). On the
-    H200 (SmolLM2 and its draft, T = 0, 8 prompts a task, 128 tokens, BENCHMARKS.md, 2026-12-05),
-    fixed, (4, 16, 16, 11) with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs
+    mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74 and cost
+    more (SmolLM2's round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's at 4k
+    7.23 -> 7.70 ms). On the H200 (SmolLM2 and its draft, T = 0, 8 prompts a task, 128 tokens,
+    BENCHMARKS.md, 2026-12-05), fixed, (4, 16, 16, 11) with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs
     summaries and 2.92x / 1.71x on the diverse sets, the deep tree with 10 tokens at 2.36x / 1.89x /
     2.47x / 1.56x, the deep tree alone at 1.93x / 1.46x / 1.35x / 1.19x; mode auto with this plan
     at 2.33x / 2.17x / 2.92x / 1.72x (with 10-token chains 2.05x / 1.95x / 2.72x / 1.58x, same
