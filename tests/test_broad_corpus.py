@@ -360,6 +360,40 @@ def test_target_text_calls_are_always_whole_batches(tmp_path):
     assert target_text.full_batch([[1], [2]], 4) == [[1], [2], [2], [2]]
 
 
+def test_target_text_at_temperature_zero_answers_every_task_greedily_once(tmp_path):
+    """--temperature 0 makes every task greedy (the instructions' answers too, as a greedy eval
+    decodes them): each job is generated once, at T = 0."""
+    temperatures = []
+
+    class Generator:
+        class target:
+            class config:
+                max_position_embeddings = 512
+
+        def generate(self, prompts, temperature, **kwargs):
+            temperatures.append(temperature)
+            return type("R", (), {"tokens": [[7, 8] for _ in prompts]})()
+
+    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 30), "prose/book") for i in range(6)]
+    out = tmp_path / "t.jsonl"
+    summary = target_text.generate_target_text(
+        Generator(),
+        target_text.ByteCodec(128),
+        docs,
+        out,
+        tasks=("summarise", "greedy", "sample"),
+        batch=2,
+        max_new_tokens=2,
+        prompt_tokens=(20, 30),
+        temperature=0.0,
+        log=lambda m: None,
+    )
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary["written"] == len(records) == 6 and len({r["id"] for r in records}) == 6
+    assert {r["task"] for r in records} == {"summarise", "greedy", "sample"}
+    assert {r["temperature"] for r in records} == {0.0} and set(temperatures) == {0.0}
+
+
 # ----------------------------------------------------------------------------- diverse eval set
 
 

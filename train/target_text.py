@@ -12,7 +12,7 @@ task; from the second pass on, the prefix or excerpt starts at a line drawn insi
 - sample / greedy: a prefix of the document (its length drawn from --prompt-tokens per job), continued
   at --temperature / greedily, raw text (no chat template);
 - summarise / explain / continue: an excerpt of the document and an instruction, one user turn of
-  the chat template, answered at --temperature.
+  the chat template, answered at --temperature (0: greedily, as a greedy eval decodes them).
 --prompt-lengths draws each job's prefix or excerpt length from a few fixed values instead of the
 --prompt-tokens range, and leaves out a document too short for the length drawn: every prompt then
 falls in one of a few padded lengths (two per value: raw text and chat), so the engine compiles a
@@ -205,10 +205,9 @@ def generate_target_text(
         while window_jobs := list(itertools.islice(jobs, batch * WINDOW_BATCHES)):
             todo = [j for j in window_jobs if j["id"] not in done]
             skipped += len(window_jobs) - len(todo)
-            for t in (0.0, temperature):
-                group = sorted(
-                    (j for j in todo if (j["task"] == "greedy") == (t == 0.0)), key=lambda j: len(j["prompt_ids"])
-                )
+            temperature_of = {j["id"]: 0.0 if j["task"] == "greedy" else temperature for j in todo}
+            for t in sorted(set(temperature_of.values())):
+                group = sorted((j for j in todo if temperature_of[j["id"]] == t), key=lambda j: len(j["prompt_ids"]))
                 for b in range(0, len(group), batch):
                     if time_limit_s and time.monotonic() - start + slowest > time_limit_s:
                         log(f"time limit: stopping after {written} records")
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prompt-lengths", help="draw prompt tokens from these values instead (e.g. 256,512,1024): few compiled shapes"
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="of the sampled tasks (greedy: 0)")
+    p.add_argument("--temperature", type=float, default=0.8, help="of every task but greedy (0: every task greedy)")
     p.add_argument("--passes", type=int, default=1, help="jobs per document, each pass another task (see above)")
     p.add_argument("--max-docs", type=int, help="use the first N jobs only")
     p.add_argument("--time-limit-s", type=float, default=0.0, help="stop cleanly before this many seconds (0: none)")
