@@ -328,32 +328,43 @@ def test_target_text_stops_at_the_time_limit(tmp_path):
     assert summary["stopped"] and 1 <= summary["written"] < 8 and summary["written"] == SlowGenerator.calls
 
 
-def test_target_text_calls_are_always_whole_batches(tmp_path):
-    sizes = []
+class FakeGenerator:
+    """A stand-in for `Generator` in the target-text tests: records each call's rows and settings and
+    answers each row with `reply(row)`'s tokens."""
 
-    class Generator:
-        class target:
-            class config:
-                max_position_embeddings = 512
+    class target:
+        class config:
+            max_position_embeddings = 512
 
-        def generate(self, prompts, **kwargs):
-            sizes.append(len(prompts))
-            return type("R", (), {"tokens": [[7] * (i + 1) for i in range(len(prompts))]})()
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
 
-    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 30), "prose/book") for i in range(7)]
+    def generate(self, prompts, **kwargs):
+        self.calls.append({"rows": len(prompts), **kwargs})
+        return type("R", (), {"tokens": [self.reply(i) for i in range(len(prompts))]})()
+
+
+def target_text_of(tmp_path, generator, documents: int, **settings) -> tuple[dict, list[dict]]:
+    """(summary, records) of `generate_target_text` over `documents` prose documents."""
+    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 30), "prose/book") for i in range(documents)]
     out = tmp_path / "t.jsonl"
     summary = target_text.generate_target_text(
-        Generator(),
+        generator,
         target_text.ByteCodec(128),
         docs,
         out,
-        tasks=("sample", "greedy"),
-        batch=3,
         max_new_tokens=2,
         prompt_tokens=(20, 30),
         log=lambda m: None,
+        **settings,
     )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return summary, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_target_text_calls_are_always_whole_batches(tmp_path):
+    generator = FakeGenerator(lambda i: [7] * (i + 1))
+    summary, records = target_text_of(tmp_path, generator, 7, tasks=("sample", "greedy"), batch=3)
+    sizes = [call["rows"] for call in generator.calls]
     assert summary["written"] == len(records) == 7 and len({r["id"] for r in records}) == 7
     assert set(sizes) == {3}  # 3 greedy + 4 sampled jobs: short batches padded to 3 rows
     assert max(r["response_tokens"] for r in records) <= 3  # padding rows' outputs are not written
@@ -363,32 +374,11 @@ def test_target_text_calls_are_always_whole_batches(tmp_path):
 def test_target_text_at_temperature_zero_answers_every_task_greedily_once(tmp_path):
     """--temperature 0 makes every task greedy (the instructions' answers too, as a greedy eval
     decodes them): each job is generated once, at T = 0."""
-    temperatures = []
-
-    class Generator:
-        class target:
-            class config:
-                max_position_embeddings = 512
-
-        def generate(self, prompts, temperature, **kwargs):
-            temperatures.append(temperature)
-            return type("R", (), {"tokens": [[7, 8] for _ in prompts]})()
-
-    docs = [Document("src", "MIT", "doc", f"d{i}", fake_doc(i, 30), "prose/book") for i in range(6)]
-    out = tmp_path / "t.jsonl"
-    summary = target_text.generate_target_text(
-        Generator(),
-        target_text.ByteCodec(128),
-        docs,
-        out,
-        tasks=("summarise", "greedy", "sample"),
-        batch=2,
-        max_new_tokens=2,
-        prompt_tokens=(20, 30),
-        temperature=0.0,
-        log=lambda m: None,
+    generator = FakeGenerator(lambda i: [7, 8])
+    summary, records = target_text_of(
+        tmp_path, generator, 6, tasks=("summarise", "greedy", "sample"), batch=2, temperature=0.0
     )
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    temperatures = [call["temperature"] for call in generator.calls]
     assert summary["written"] == len(records) == 6 and len({r["id"] for r in records}) == 6
     assert {r["task"] for r in records} == {"summarise", "greedy", "sample"}
     assert {r["temperature"] for r in records} == {0.0} and set(temperatures) == {0.0}
