@@ -384,6 +384,13 @@ def test_target_text_at_temperature_zero_answers_every_task_greedily_once(tmp_pa
     assert {r["temperature"] for r in records} == {0.0} and set(temperatures) == {0.0}
 
 
+def test_target_text_rejects_a_negative_temperature_before_any_batch(tmp_path):
+    generator = FakeGenerator(lambda i: [7])
+    with pytest.raises(UserError, match="--temperature -0.5"):
+        target_text_of(tmp_path, generator, 4, tasks=("greedy", "summarise"), batch=2, temperature=-0.5)
+    assert generator.calls == []  # the greedy jobs did not run first
+
+
 # ----------------------------------------------------------------------------- diverse eval set
 
 

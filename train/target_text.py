@@ -193,6 +193,8 @@ def generate_target_text(
         )
     if passes < 1:
         raise UserError(f"--passes {passes} must be at least 1")
+    if not temperature >= 0:  # before any batch runs: the greedy ones would otherwise come first
+        raise UserError(f"--temperature {temperature} must be >= 0 (0: every task greedy)")
     done = done_ids(out)
     jobs = itertools.islice(
         make_jobs(docs, list(tasks), codec, prompt_tokens, seed, passes, tuple(prompt_lengths)), max_jobs
