@@ -4,6 +4,11 @@ The last n tokens of a sequence (prompt + generated, the newest being the round'
 up among the earlier text; the K tokens that followed the most recent earlier occurrence become a
 chain of candidates (tree.chain_tree), verified like any tree. Longer n-grams are tried first. The
 search is vectorised over all start positions: static shapes, no host loop.
+
+A recent occurrence has fewer than K tokens after it before the sequence ends. Its continuation
+then goes on as an overlapping copy does (LZ77's): the copied text repeats with the period between
+the occurrence and the sequence's end. Text that repeats itself (a model's loops, tables, code
+with repeated lines) then gets a whole chain instead of the few tokens before the end.
 """
 
 from __future__ import annotations
@@ -16,25 +21,30 @@ def propose_chain(history: jax.Array, lengths: jax.Array, *, num_tokens: int, ma
     """history int32[B, L] (valid tokens [0, lengths[b])), lengths int32[B] -> (chain int32[B, K], n_found int32[B]).
 
     chain[b, :n_found[b]] are the tokens that followed the most recent earlier occurrence of the
-    sequence's last n-gram (n from max_ngram down to min_ngram; the first n with a match wins);
-    n_found[b] = 0 when nothing matched. Entries past n_found are 0: any token is safe to verify,
-    acceptance keeps only what the target itself would produce.
+    sequence's last n-gram (n from max_ngram down to min_ngram; the first n with a match wins), the
+    last p of them repeated where fewer than K follow it (p: the tokens from the occurrence's end
+    to the sequence's end); n_found[b] is K after a match, 0 when nothing matched, and then the
+    chain is 0s: any token is safe to verify, acceptance keeps only what the target itself would
+    produce.
     """
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
     b, seq = history.shape
     lengths = lengths.astype(jnp.int32)
-    starts = jnp.arange(seq, dtype=jnp.int32)  # candidate start of an earlier occurrence
-    best_start = jnp.full((b,), -1, jnp.int32)  # start of the continuation; -1 = no match yet
-    for n in range(max_ngram, min_ngram - 1, -1):
-        suffix = jnp.take_along_axis(history, jnp.clip(lengths[:, None] - n + jnp.arange(n), 0, seq - 1), axis=1)
-        window = history[:, jnp.clip(starts[:, None] + jnp.arange(n), 0, seq - 1)]  # [B, L, n]
-        # An earlier occurrence must end before the last token so that at least one token follows it.
-        usable = (starts[None, :] + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
-        matches = jnp.all(window == suffix[:, None, :], axis=-1) & usable
-        latest = jnp.max(jnp.where(matches, starts[None, :], -1), axis=1)
-        best_start = jnp.where((best_start < 0) & (latest >= 0), latest + n, best_start)
-    positions = best_start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    valid = (best_start[:, None] >= 0) & (positions < lengths[:, None])
+    # One pass over every continuation start e (the token after an earlier occurrence): how many of
+    # the tokens before e, up to max_ngram, equal the sequence's last ones. The longest match wins,
+    # then the latest e; an occurrence must end before the last token, so e < length.
+    ends = jnp.arange(seq, dtype=jnp.int32)
+    back = jnp.arange(1, max_ngram + 1, dtype=jnp.int32)  # j-th token back
+    last = jnp.take_along_axis(history, jnp.clip(lengths[:, None] - back, 0, seq - 1), axis=1)  # [B, N]
+    before = history[:, jnp.clip(ends[:, None] - back, 0, seq - 1)]  # [B, L, N]
+    equal = (before == last[:, None, :]) & (ends[:, None] >= back)[None]
+    matched = jnp.sum(jnp.cumprod(equal, axis=-1), axis=-1, dtype=jnp.int32)  # [B, L]: the match's n
+    usable = (ends[None, :] < lengths[:, None]) & (matched >= min_ngram)
+    score = jnp.max(jnp.where(usable, matched * seq + ends[None, :], -1), axis=1)
+    best_start = jnp.where(score >= 0, score % seq, -1)  # the continuation's start; -1: no match
+    period = jnp.maximum(lengths - best_start, 1)  # >= 1 after a match: an occurrence ends before the last token
+    positions = best_start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] % period[:, None]
+    valid = jnp.broadcast_to(best_start[:, None] >= 0, positions.shape)
     chain = jnp.where(valid, jnp.take_along_axis(history, jnp.clip(positions, 0, seq - 1), axis=1), 0)
     return chain.astype(jnp.int32), valid.sum(axis=1).astype(jnp.int32)

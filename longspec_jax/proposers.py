@@ -71,7 +71,7 @@ from longspec_jax.tree import (
 )
 
 PLD_DEFAULT_TOKENS = 10  # candidates per PLD round (HF's prompt_lookup_num_tokens default)
-PLD_MAX_NGRAM, PLD_MIN_NGRAM = 3, 1
+PLD_MAX_NGRAM, PLD_MIN_NGRAM = 6, 1
 
 
 def write_rows(buffer: jax.Array, values: jax.Array, start: jax.Array) -> jax.Array:

@@ -7,7 +7,8 @@ from longspec_jax.pld import propose_chain
 
 
 def reference_chain(seq, num_tokens, max_ngram, min_ngram):
-    """numpy: the tokens after the most recent earlier occurrence of the longest matching suffix n-gram."""
+    """Python: the tokens after the most recent earlier occurrence of the longest matching suffix
+    n-gram, copied one at a time from the sequence as it grows by the copy (an overlapping copy)."""
     length = len(seq)
     for n in range(max_ngram, min_ngram - 1, -1):
         if length < n + 1:
@@ -15,15 +16,19 @@ def reference_chain(seq, num_tokens, max_ngram, min_ngram):
         suffix = list(seq[length - n :])
         for start in range(length - n - 1, -1, -1):
             if list(seq[start : start + n]) == suffix:
-                follow = list(seq[start + n : start + n + num_tokens])
-                return follow + [0] * (num_tokens - len(follow)), len(follow)
+                grown = list(seq)
+                for i in range(num_tokens):
+                    grown.append(grown[start + n + i])
+                return grown[length:], num_tokens
     return [0] * num_tokens, 0
 
 
 propose = jax.jit(propose_chain, static_argnames=("num_tokens", "max_ngram", "min_ngram"))
 
 
-@pytest.mark.parametrize("vocab,num_tokens,max_ngram,min_ngram", [(3, 4, 3, 1), (5, 3, 3, 2), (50, 5, 2, 1)])
+@pytest.mark.parametrize(
+    "vocab,num_tokens,max_ngram,min_ngram", [(3, 4, 3, 1), (5, 3, 3, 2), (50, 5, 2, 1), (2, 6, 6, 1), (4, 5, 6, 3)]
+)
 def test_matches_numpy_reference_on_random_histories(vocab, num_tokens, max_ngram, min_ngram):
     rng = np.random.default_rng(vocab)
     batch, seq = 32, 24
@@ -48,11 +53,21 @@ def test_longest_ngram_wins_over_a_more_recent_shorter_match():
     assert int(n_found[0]) == 3
 
 
-def test_no_match_and_truncated_continuation():
+def test_no_match_and_a_short_continuation_repeated():
     history = np.array([[1, 2, 3, 4, 0, 0], [4, 6, 4, 0, 0, 0]])
     chain, n_found = propose(history, np.array([4, 3]), num_tokens=3, max_ngram=2, min_ngram=1)
-    np.testing.assert_array_equal(chain, [[0, 0, 0], [6, 4, 0]])
-    np.testing.assert_array_equal(n_found, [0, 2])
+    # Row 1: "4" last occurred at 0, followed by "6 4" before the end; the copy goes on with "6".
+    np.testing.assert_array_equal(chain, [[0, 0, 0], [6, 4, 6]])
+    np.testing.assert_array_equal(n_found, [0, 3])
+
+
+def test_a_loop_in_the_text_gives_a_whole_chain():
+    # The text has fallen into a loop of period 3 ("5 6 7"): the latest occurrence of the last
+    # 2-gram "6 7" ends 3 tokens before the end, and the chain repeats the loop for all 8 tokens.
+    history = np.array([[1, 2, 5, 6, 7, 5, 6, 7, 5, 6, 7]])
+    chain, n_found = propose(history, np.array([11]), num_tokens=8, max_ngram=2, min_ngram=1)
+    np.testing.assert_array_equal(chain, [[5, 6, 7, 5, 6, 7, 5, 6]])
+    assert int(n_found[0]) == 8
 
 
 @pytest.mark.parametrize("batch", [1, 3])
