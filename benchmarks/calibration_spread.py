@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
 
     if args.small:
         target, draft, prompt = setup(small=True, prompt_tokens=60)
-        args.calibration_tokens, args.lengths = 200, "20,32"
+        args.calibration_tokens, args.lengths = 800, "20,80"
     else:
         target, _, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, target_path=args.target)
         draft = inference_draft(target, args.draft)
