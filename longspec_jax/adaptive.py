@@ -53,9 +53,8 @@ from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, validate_widths
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
-SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: for text the draft knows less
-DEFAULT_LOOKUP_TOKENS = 16  # the lookup chain beside the greedy trees unless asked otherwise
-CHAINED_DEEP_TREE = (4, 16, 16, 11)  # the deep greedy tree with a chain: 47 nodes and the root, 64 rows with 16
+SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: a smaller one for text the draft knows less
+DEFAULT_LOOKUP_TOKENS = 32  # the lookup chain beside the greedy trees unless asked otherwise
 LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,11+pld 16": the tree with a 16-token lookup chain beside it
 
 
@@ -66,10 +65,18 @@ def tree_candidate_name(widths: tuple[int, ...], lookup_tokens: int = 0) -> str:
 
 
 def greedy_deep_tree(lookup_tokens: int) -> tuple[int, ...]:
-    """The deep greedy tree below LARGE_BATCH: with a lookup chain one level shallower than the
-    longspec mode's tree (CHAINED_DEEP_TREE), so that it and a 16-token chain verify the 64 rows that
-    tree alone does (74 rows made a round's matrix products slower); without a chain DEFAULT_WIDTHS."""
-    return CHAINED_DEEP_TREE if lookup_tokens else DEFAULT_WIDTHS
+    """The deep greedy tree below LARGE_BATCH: the longspec mode's tree (DEFAULT_WIDTHS) cut, level
+    by level, to the nodes a chain of lookup_tokens leaves it, so that the two verify the rows that
+    tree alone does (74 rows made a round's matrix products slower): (4, 16, 11) beside 32 tokens,
+    (4, 16, 16, 11) beside 16, DEFAULT_WIDTHS without a chain; never less than its first level."""
+    room = max(sum(DEFAULT_WIDTHS) - lookup_tokens, DEFAULT_WIDTHS[0])
+    widths = []
+    for width in DEFAULT_WIDTHS:
+        if room == 0:
+            break
+        widths.append(min(width, room))
+        room -= widths[-1]
+    return tuple(widths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +201,19 @@ def candidate_plan(
     Greedy below LARGE_BATCH both trees carry a prompt-lookup chain beside them
     (`proposers.DraftWithLookup`) of lookup_tokens tokens (None: DEFAULT_LOOKUP_TOKENS; 0: none): a
     round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
-    least what the tree alone does. With a chain the deep tree is one level shallower
-    (`greedy_deep_tree`): a 16-token chain beside (4, 16, 16, 11) verifies 64 rows, as the longspec
-    mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74 and cost
-    more (SmolLM2's round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's at 4k
-    7.23 -> 7.70 ms). On the H200 (SmolLM2 and its draft, T = 0, 8 prompts a task, 128 tokens,
-    BENCHMARKS.md, 2026-12-05), fixed, (4, 16, 16, 11) with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs
-    summaries and 2.92x / 1.71x on the diverse sets, the deep tree with 10 tokens at 2.36x / 1.89x /
-    2.47x / 1.56x, the deep tree alone at 1.93x / 1.46x / 1.35x / 1.19x; mode auto with this plan
-    at 2.33x / 2.17x / 2.92x / 1.72x (with 10-token chains 2.05x / 1.95x / 2.72x / 1.58x, same
+    least what the tree alone does. With a chain the deep tree is the longspec mode's cut to the rows
+    the chain leaves it (`greedy_deep_tree`): a 32-token chain beside (4, 16, 11) verifies 64 rows, as
+    the longspec mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74
+    and cost more (SmolLM2's round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's
+    at 4k 7.23 -> 7.70 ms). Since the chain goes on as an overlapping copy (`pld`), 32 tokens beside
+    (4, 16, 11) keep more than 16 beside (4, 16, 16, 11) with a draft step fewer (CPU tau, the same
+    prompts, BENCHMARKS.md, 2026-12-05: stdlib code 9.13 -> 11.78, docs summaries 5.84 -> 6.54,
+    diverse summaries 3.84 -> 3.86; not yet timed on a GPU). Before that, on the H200 (SmolLM2 and
+    its draft, T = 0, 8 prompts a task, 128 tokens, BENCHMARKS.md, 2026-12-05), fixed, (4, 16, 16, 11)
+    with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs summaries and 2.92x / 1.71x on
+    the diverse sets, the deep tree with 10 tokens at 2.36x / 1.89x / 2.47x / 1.56x, the deep tree
+    alone at 1.93x / 1.46x / 1.35x / 1.19x; mode auto with 16-token chains beside (4, 16, 16, 11) and
+    (4, 4, 4) at 2.33x / 2.17x / 2.92x / 1.72x (with 10-token chains 2.05x / 1.95x / 2.72x / 1.58x, same
     process). The chain alone stays PLD_DEFAULT_TOKENS long: with 16, mode auto's tokens per ms of
     round went up on two of the four sets and down on the other two."""
     lookup_tokens = DEFAULT_LOOKUP_TOKENS if lookup_tokens is None else lookup_tokens

@@ -16,7 +16,6 @@ from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
 from longspec_jax.adaptive import (
-    CHAINED_DEEP_TREE,
     COUPLED_TREE,
     DEFAULT_LOOKUP_TOKENS,
     DRAWN_CHAIN,
@@ -25,6 +24,7 @@ from longspec_jax.adaptive import (
     Candidate,
     adaptive_proposer,
     candidate_plan,
+    greedy_deep_tree,
     tree_candidate_name,
 )
 from longspec_jax.draft import DraftConfig
@@ -39,6 +39,7 @@ from tests.test_speculative import SAMPLE_VOCAB, SAMPLES, OracleDraft, exact_fir
 
 VOCAB = 40
 # Greedy batch 1's trees, each with the default lookup chain beside it.
+CHAINED_DEEP_TREE = greedy_deep_tree(DEFAULT_LOOKUP_TOKENS)
 DEEP = tree_candidate_name(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS)
 SHALLOW = tree_candidate_name(SHALLOW_TREE, DEFAULT_LOOKUP_TOKENS)
 
@@ -105,8 +106,8 @@ def test_plans_fit_sampling_and_batch():
     # At T > 0 the draft's candidate is a small tree coupled with the target's picks, at large
     # batches a token drawn from it.
     trees = lambda plan: sorted(w for n, w in plan.items() if n.startswith("tree"))  # noqa: E731
-    # Greedy at batch 1: a deep tree and a shallow one for text the draft knows less.
-    assert set(trees(greedy)) == {CHAINED_DEEP_TREE, SHALLOW_TREE} and len(SHALLOW_TREE) < len(CHAINED_DEEP_TREE)
+    # Greedy at batch 1: a deep tree and a smaller one for text the draft knows less.
+    assert set(trees(greedy)) == {CHAINED_DEEP_TREE, SHALLOW_TREE} and sum(SHALLOW_TREE) < sum(CHAINED_DEEP_TREE)
     assert trees(sampled) == [COUPLED_TREE]
     assert trees(batched_sampled) == [DRAWN_CHAIN]
     assert sum(COUPLED_TREE) < sum(tree(greedy))
@@ -199,15 +200,21 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
 
 def test_plans_put_a_lookup_chain_beside_the_greedy_trees_only():
     names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=6)]
-    assert names == ["ar", "pld 10", tree_candidate_name(CHAINED_DEEP_TREE, 6), tree_candidate_name(SHALLOW_TREE, 6)]
+    assert names == ["ar", "pld 10", tree_candidate_name(greedy_deep_tree(6), 6), tree_candidate_name(SHALLOW_TREE, 6)]
     # By default both greedy trees carry a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off, and the deep
-    # tree is then the longspec mode's, one level deeper.
+    # tree is then the longspec mode's whole tree.
     assert [n for n, _ in candidate_plan(True, True, 1)] == ["ar", "pld 10", DEEP, SHALLOW]
     unchained = ["ar", "pld 10", tree_candidate_name(DEFAULT_WIDTHS), tree_candidate_name(SHALLOW_TREE)]
     assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == unchained
-    assert len(CHAINED_DEEP_TREE) == len(DEFAULT_WIDTHS) - 1
-    # The default chain beside the deep tree fills the rows the longspec mode's tree alone takes.
-    assert num_nodes(lookup_widths(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS)) == num_nodes(DEFAULT_WIDTHS)
+    # The deep tree is the longspec mode's cut level by level to the rows a chain leaves it: with it the
+    # chain fills the rows that tree alone takes, down to the tree's first level.
+    assert greedy_deep_tree(0) == DEFAULT_WIDTHS
+    assert (greedy_deep_tree(16), greedy_deep_tree(32)) == ((4, 16, 16, 11), (4, 16, 11))
+    for tokens in (1, 6, DEFAULT_LOOKUP_TOKENS, num_nodes(DEFAULT_WIDTHS) - 1 - DEFAULT_WIDTHS[0]):
+        deep = greedy_deep_tree(tokens)
+        assert deep == DEFAULT_WIDTHS[: len(deep) - 1] + deep[-1:] and 0 < deep[-1] <= DEFAULT_WIDTHS[len(deep) - 1]
+        assert num_nodes(lookup_widths(deep, tokens)) == num_nodes(DEFAULT_WIDTHS)
+    assert greedy_deep_tree(num_nodes(DEFAULT_WIDTHS) + 5) == DEFAULT_WIDTHS[:1]
     for greedy, batch in ((False, 1), (True, 4), (False, 8)):  # sampling and large batches: no chain
         assert candidate_plan(True, greedy, batch, lookup_tokens=10) == candidate_plan(True, greedy, batch, 0)
         assert candidate_plan(True, greedy, batch) == candidate_plan(True, greedy, batch, 0)
@@ -258,7 +265,7 @@ def test_mode_auto_with_a_lookup_chain_decodes_as_ar(target, draft, monkeypatch)
     ar = generate(target, prompts, mode="ar", max_new_tokens=30, eos_token_ids=())
     auto = Generator(target, draft, lookup_tokens=4).generate(prompts, max_new_tokens=30, eos_token_ids=())
     assert auto.tokens == ar.tokens
-    for widths in (CHAINED_DEEP_TREE, SHALLOW_TREE):  # both greedy trees ran, each with its chain
+    for widths in (greedy_deep_tree(4), SHALLOW_TREE):  # both greedy trees ran, each with its chain
         assert rounds_of(auto)[tree_candidate_name(widths, 4)] > 0
 
 

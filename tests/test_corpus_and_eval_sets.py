@@ -14,7 +14,7 @@ import pytest
 from benchmarks import plot_results
 from infer import benchmark, build_eval_sets
 from infer.build_eval_sets import SUMMARY_INSTRUCTION, EvalSpec
-from longspec_jax.adaptive import CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS, tree_candidate_name
+from longspec_jax.adaptive import DEFAULT_LOOKUP_TOKENS, greedy_deep_tree, tree_candidate_name
 from longspec_jax.errors import UserError
 from longspec_jax.tree import DEFAULT_WIDTHS
 from train.build_corpus import Document, Source, build_corpus, default_sources, split_of
@@ -451,7 +451,10 @@ def test_benchmark_longspec_with_tree_widths_matches_ar_and_records_the_tree(tmp
     assert {g["mode"] for g in report["summary"]["by_task"]} == {"ar", *modes}
     assert "| longspec:2 |" in report["markdown"]
     # Auto's greedy trees carry the default lookup chain; "+pld0" runs them without.
-    assert tree_candidate_name(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS) in by_mode["auto"]["policy"]["candidates"]
+    assert (
+        tree_candidate_name(greedy_deep_tree(DEFAULT_LOOKUP_TOKENS), DEFAULT_LOOKUP_TOKENS)
+        in by_mode["auto"]["policy"]["candidates"]
+    )
     assert tree_candidate_name(DEFAULT_WIDTHS) in by_mode["auto+pld0"]["policy"]["candidates"]
     for bad in ("longspec:2-x", "ar:2", "tree:2", "pld:0", "ar+pld3", "pld:1+pld2", "longspec+pldx", "auto+pld-1"):
         assert benchmark.main([*common, "--modes", f"ar,{bad}"]) == 2

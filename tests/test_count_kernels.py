@@ -67,7 +67,9 @@ def test_mode_auto_loop_holds_every_candidate(temperature):
     # The loop of runs holds the most kernels, the tree's loop of rounds the next most.
     *_, tree_round, _runs = sorted(kernels for _, _, kernels in while_loops(auto))
     fixed_round = max(kernels for _, _, kernels in while_loops(tree))
-    assert fixed_round <= tree_round <= fixed_round + 12, (tree_round, fixed_round)
+    # (+9 on the CPU with a 16-token chain, +15 with 32; compiled for the H200, mode auto's loop holds
+    # 29 kernels more than its deep tree's with either.)
+    assert fixed_round <= tree_round <= fixed_round + 16, (tree_round, fixed_round)
 
 
 def test_the_h200_description_names_a_hopper_chip():
