@@ -2,8 +2,9 @@
 
 The last n tokens of a sequence (prompt + generated, the newest being the round's root) are looked
 up among the earlier text; the K tokens that followed the most recent earlier occurrence become a
-chain of candidates (tree.chain_tree), verified like any tree. Longer n-grams are tried first. The
-search is vectorised over all start positions: static shapes, no host loop.
+chain of candidates (tree.chain_tree), verified like any tree. The longest match (up to max_ngram
+tokens) wins, then the latest, found in one pass vectorised over all start positions: static
+shapes, no host loop.
 
 A recent occurrence has fewer than K tokens after it before the sequence ends. Its continuation
 then goes on as an overlapping copy does (LZ77's): the copied text repeats with the period between
@@ -45,6 +46,6 @@ def propose_chain(history: jax.Array, lengths: jax.Array, *, num_tokens: int, ma
     best_start = jnp.where(score >= 0, score % seq, -1)  # the continuation's start; -1: no match
     period = jnp.maximum(lengths - best_start, 1)  # >= 1 after a match: an occurrence ends before the last token
     positions = best_start[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] % period[:, None]
-    valid = jnp.broadcast_to(best_start[:, None] >= 0, positions.shape)
-    chain = jnp.where(valid, jnp.take_along_axis(history, jnp.clip(positions, 0, seq - 1), axis=1), 0)
-    return chain.astype(jnp.int32), valid.sum(axis=1).astype(jnp.int32)
+    found = best_start >= 0
+    chain = jnp.where(found[:, None], jnp.take_along_axis(history, jnp.clip(positions, 0, seq - 1), axis=1), 0)
+    return chain.astype(jnp.int32), jnp.where(found, num_tokens, 0).astype(jnp.int32)
