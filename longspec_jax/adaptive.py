@@ -10,7 +10,7 @@ not once per round, and the host never steps in:
     "tree W"  the LongSpec draft's tree of level widths W (when the target has a draft);
     "tree W+pld N"  that tree with a prompt-lookup chain of N tokens beside it (the greedy trees).
 Which candidates depend on sampling and batch size (`candidate_plan`): greedy decoding affords a deep
-tree (beside a shallow one, for text the draft knows less); at T > 0 the draft proposes a wide
+tree with a long prompt-lookup chain beside it; at T > 0 the draft proposes a wide
 two-level tree coupled with the target's picks (acceptance.py), or at large batches a token drawn
 from its distribution; large batches get smaller trees. The choice each round is policy.py's.
 
@@ -53,7 +53,11 @@ from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, validate_widths
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
-SHALLOW_TREE = (4, 4, 4)  # greedy below LARGE_BATCH, beside the deep tree: a smaller one for text the draft knows less
+SHALLOW_TREE = (
+    4,
+    4,
+    4,
+)  # greedy below LARGE_BATCH without a lookup chain, beside the deep tree: for text the draft knows less
 DEFAULT_LOOKUP_TOKENS = 32  # the lookup chain beside the greedy trees unless asked otherwise
 LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,11+pld 16": the tree with a 16-token lookup chain beside it
 
@@ -163,69 +167,47 @@ class Adaptive:
 def candidate_plan(
     has_draft: bool, greedy: bool, batch: int, lookup_tokens: int | None = None
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, widths) of the candidates for a request: always AR, a draft tree when there is a draft,
-    and a prompt-lookup chain (but at T > 0 below LARGE_BATCH beside a tree, see below). Below
-    LARGE_BATCH greedy decoding affords a deep tree and a long chain, and gets a shallow tree too
-    (SHALLOW_TREE): where the draft knows the text less, its deep levels rarely keep anything, and a
-    (4, 4, 4) round costs about 1.7 AR steps where the deep tree's costs 2.3-2.6. On the H200
-    (SmolLM2 and its draft, T = 0, each prompt after six warm-up requests, 2026-12-04) mode auto with it
-    ran at 1.65-1.87x AR on the stdlib code set where the deep tree alone ran 1.78-1.87x,
-    1.53-1.66x on the docs summaries (deep tree 1.40x), 1.88-2.35x on the diverse code set (deep
-    tree 1.28-1.31x) and 1.11-1.21x on the diverse summaries (deep tree 1.12-1.14x; before it,
-    0.97-1.03x there).
-    From LARGE_BATCH sequences on, the smallest: a one-token chain and a two-node tree. Measured on
-    the H200 (SmolLM2, batch 4 and 8, T = 0): either alone ran at 1.05-1.69x AR (a one-token
-    chain's round costs what an AR step does, the tree's 1.1-1.2 AR steps, and each keeps 1.5-1.9
-    tokens), ahead of an adaptive set that also held a 10-token chain and a (4, 8, 8) tree
-    (0.84-1.49x), whose mixed runs cost up to a third more than their candidates' calibrated rounds.
-    At T > 0 below LARGE_BATCH the draft's candidate is a tree coupled with the target's picks
-    (acceptance.py), wide near the root and two levels deep: the target's distribution is wide, so
-    more candidates near the root buy kept tokens more cheaply than a third level does, which also
-    costs a draft step a round. On the H200 at T = 1 (SmolLM2 and its draft, 8
-    prompts a task, 2026-12-04, BENCHMARKS.md) a (16, 8) round cost 0.98-0.99 of a (4, 4, 4) round
-    and kept as much on code and 4-8 % more on summaries: 1.24-1.27x AR against 1.22-1.25x on code,
-    1.25-1.30x against 1.15-1.21x on summaries, on the stdlib/docs and the diverse sets; deeper
-    trees ((4, 8, 8, 8), (6, 6, 6)) kept more and cost more (1.15-1.26x), a (16, 16) likewise
-    (1.20-1.29x). A token drawn from the draft (verified by speculative sampling) keeps 1.45 a
-    round for ~1.25 AR steps: below the (4, 4, 4) tree that was the coupled one then on
-    both tasks, and next to AR where the draft is poor. Offered beside the tree it cost more than
-    it brought: a few unlucky first rounds of the tree left the policy on the drawn token, whose
-    estimate firms up faster (it runs every round), and mode auto ran at 0.96x / 1.05x AR where that
-    tree alone ran 1.22x / 1.13x (2026-12-03). At batch 4 and 8 a coupled (2, 2) tree beside the
-    drawn token made auto slower (0.94-1.09x against 1.09-1.25x with the drawn token alone), so
-    large batches keep the drawn token only. The prompt-lookup chain is short, and at T > 0 below
-    LARGE_BATCH it is left out beside the coupled tree: there it kept 1.0-1.55 tokens a round for
-    1.25 AR steps (AR's rate), and its trials took 6-32 of a request's 64 rounds from the tree
-    (mode auto 1.07x AR on code at T = 1 with it, 1.12x without, the same tree; H200, 2026-12-03).
-    Each candidate is one more branch to compile, so few.
-    Greedy below LARGE_BATCH both trees carry a prompt-lookup chain beside them
-    (`proposers.DraftWithLookup`) of lookup_tokens tokens (None: DEFAULT_LOOKUP_TOKENS; 0: none): a
-    round keeps the longer of what the draft's branches and the chain agree with, so it keeps at
-    least what the tree alone does. With a chain the deep tree is the longspec mode's cut to the rows
-    the chain leaves it (`greedy_deep_tree`): a 32-token chain beside (4, 16, 11) verifies 64 rows, as
-    the longspec mode's tree alone does, where a 10-token one beside the longspec mode's tree made 74
-    and cost more (SmolLM2's round 1.65 -> 1.80 ms, its matrix products 0.61 -> 0.69 ms; Vicuna-7B's
-    at 4k 7.23 -> 7.70 ms). Since the chain goes on as an overlapping copy (`pld`), 32 tokens beside
-    (4, 16, 11) keep more than 16 beside (4, 16, 16, 11) with a draft step fewer (CPU tau, the same
-    prompts, BENCHMARKS.md, 2026-12-05: stdlib code 9.13 -> 11.78, docs summaries 5.84 -> 6.54,
-    diverse summaries 3.84 -> 3.86; not yet timed on a GPU). Before that, on the H200 (SmolLM2 and
-    its draft, T = 0, 8 prompts a task, 128 tokens, BENCHMARKS.md, 2026-12-05), fixed, (4, 16, 16, 11)
-    with 16 tokens ran at 2.42x / 2.15x AR on the stdlib code / docs summaries and 2.92x / 1.71x on
-    the diverse sets, the deep tree with 10 tokens at 2.36x / 1.89x / 2.47x / 1.56x, the deep tree
-    alone at 1.93x / 1.46x / 1.35x / 1.19x; mode auto with 16-token chains beside (4, 16, 16, 11) and
-    (4, 4, 4) at 2.33x / 2.17x / 2.92x / 1.72x (with 10-token chains 2.05x / 1.95x / 2.72x / 1.58x, same
-    process). The chain alone stays PLD_DEFAULT_TOKENS long: with 16, mode auto's tokens per ms of
-    round went up on two of the four sets and down on the other two."""
+    """(name, widths) of the candidates for a request: always AR (the fallback that keeps mode auto
+    from running slower than plain decoding), then what suits the sampling and the batch. Each
+    candidate is one more branch to compile, so few. All figures: SmolLM2-135M and its shipped
+    draft, 8 prompts a task, BENCHMARKS.md.
+
+    Greedy below LARGE_BATCH with a draft: the deep tree with a prompt-lookup chain of lookup_tokens
+    tokens beside it (None: DEFAULT_LOOKUP_TOKENS), and nothing else. A round keeps the longer of
+    what the draft's branches and the chain agree with (`proposers.DraftWithLookup`), so it keeps at
+    least what the chain alone would, and the tree is the longspec mode's cut to the rows the chain
+    leaves it (`greedy_deep_tree`: (4, 16, 11) beside 32 tokens, 64 rows as the longspec tree alone;
+    74 rows made the round's matrix products slower). On an H100 (2026-12-05, T = 0) that tree fixed
+    ran at 3.97x / 2.32x AR on the stdlib code / docs summaries and 3.60x / 1.81x on the diverse
+    sets, where mode auto that also held the 10-token chain alone and a (4, 4, 4) tree with the same
+    chain ran at 3.10x / 2.03x / 3.54x / 1.75x: the chain alone's rounds cost 0.65 of the tree's and
+    won the policy on stretches where it kept some tokens, though the tree with the chain keeps more
+    in the same round, and with the chain the (4, 4, 4) round cost as much as the deep tree's.
+    Without a chain (lookup_tokens 0), the longspec mode's tree, a shallow one (SHALLOW_TREE, for text
+    the draft knows less) and the 10-token chain alone.
+
+    Sampling below LARGE_BATCH with a draft: a wide, two-level tree coupled with the target's picks
+    (COUPLED_TREE, acceptance.py); the target's distribution is wide, so candidates near the root
+    buy kept tokens more cheaply than a third level. On the H200 at T = 1 (2026-12-04) a (16, 8)
+    round cost what a (4, 4, 4) one did and kept as much on code and 4-8 % more on summaries;
+    deeper trees kept more and cost more. A token drawn from the draft offered beside it, or a
+    prompt-lookup chain, took rounds from the tree on a few unlucky starts and made mode auto slower
+    (0.96-1.07x AR against 1.12-1.22x without them, 2026-12-03).
+
+    From LARGE_BATCH sequences on, the smallest: greedy a one-token chain and a two-node tree,
+    sampling a one-token chain and a token drawn from the draft. Measured on the H200 (batch 4 and
+    8, T = 0): either alone ran at 1.05-1.69x AR, ahead of larger sets (0.84-1.49x). Without a draft:
+    AR and a prompt-lookup chain (10 tokens greedy, 2 sampling)."""
     lookup_tokens = DEFAULT_LOOKUP_TOKENS if lookup_tokens is None else lookup_tokens
     with_chain = lookup_tokens if greedy and batch < LARGE_BATCH else 0
-    if greedy:
-        chains, trees = (
-            ((1,), [(2,)])
-            if batch >= LARGE_BATCH
-            else ((PLD_DEFAULT_TOKENS,), [greedy_deep_tree(with_chain), SHALLOW_TREE])
-        )
+    if batch >= LARGE_BATCH:
+        chains, trees = ((1,), [(2,)] if greedy else [DRAWN_CHAIN])
+    elif not greedy:
+        chains, trees = (() if has_draft else (2,), [COUPLED_TREE])
+    elif has_draft and with_chain:
+        chains, trees = ((), [greedy_deep_tree(with_chain)])
     else:
-        chains, trees = ((1,), [DRAWN_CHAIN]) if batch >= LARGE_BATCH else (() if has_draft else (2,), [COUPLED_TREE])
+        chains, trees = ((PLD_DEFAULT_TOKENS,), [DEFAULT_WIDTHS, SHALLOW_TREE])
     plan = [("ar", ())] + [(f"pld {n}", (1,) * n) for n in chains]
     if has_draft:
         plan += [(tree_candidate_name(w, with_chain), w) for w in trees]
@@ -248,8 +230,8 @@ def adaptive_proposer(target, draft, plan, small_rows=None) -> tuple[Adaptive, t
     candidates = [Candidate("ar", (0,), sources[0])]
     chains = [(name, w) for name, w in plan if name.startswith("pld")]
     lookup = None
-    if chains:
-        sources.append(PromptLookup(max((w for _, w in chains), key=len)))  # its history serves every chain
+    if chains or any(lookup_tokens_of(name) for name, _ in trees):
+        sources.append(PromptLookup())  # one history serves every chain, alone or beside a tree
         params.append(())
         lookup = len(sources) - 1
         candidates += [Candidate(name, (lookup,), PromptLookup(w)) for name, w in chains]
@@ -259,8 +241,6 @@ def adaptive_proposer(target, draft, plan, small_rows=None) -> tuple[Adaptive, t
         slots = max(1, max(sum(w[:-1]) for _, w in trees))
         block = BlockDraft(graphdef, tree_slots=slots, window=draft.config.window)
         for name, w in trees:
-            if lookup_tokens_of(name) and lookup is None:
-                raise ValueError(f"candidate {name!r} needs a prompt-lookup chain in the plan for its history")
             check_lookup_tokens("longspec", w, lookup_tokens_of(name))
         # The most its own rounds keep (others' it catches up on), a lookup chain's included.
         rows = max(len(lookup_widths(w, lookup_tokens_of(name))) for name, w in trees) + 1

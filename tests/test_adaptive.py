@@ -41,7 +41,8 @@ VOCAB = 40
 # Greedy batch 1's trees, each with the default lookup chain beside it.
 CHAINED_DEEP_TREE = greedy_deep_tree(DEFAULT_LOOKUP_TOKENS)
 DEEP = tree_candidate_name(CHAINED_DEEP_TREE, DEFAULT_LOOKUP_TOKENS)
-SHALLOW = tree_candidate_name(SHALLOW_TREE, DEFAULT_LOOKUP_TOKENS)
+# With no lookup chain (lookup_tokens=0): the longspec mode's tree, a shallow one, the chain alone.
+UNCHAINED = ("pld 10", tree_candidate_name(DEFAULT_WIDTHS), tree_candidate_name(SHALLOW_TREE))
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +107,9 @@ def test_plans_fit_sampling_and_batch():
     # At T > 0 the draft's candidate is a small tree coupled with the target's picks, at large
     # batches a token drawn from it.
     trees = lambda plan: sorted(w for n, w in plan.items() if n.startswith("tree"))  # noqa: E731
-    # Greedy at batch 1: a deep tree and a smaller one for text the draft knows less.
-    assert set(trees(greedy)) == {CHAINED_DEEP_TREE, SHALLOW_TREE} and sum(SHALLOW_TREE) < sum(CHAINED_DEEP_TREE)
+    # Greedy at batch 1: the deep tree with a lookup chain beside it, and no chain alone (the tree's
+    # round keeps at least what the chain would).
+    assert trees(greedy) == [CHAINED_DEEP_TREE] and not any(name.startswith("pld") for name in greedy)
     assert trees(sampled) == [COUPLED_TREE]
     assert trees(batched_sampled) == [DRAWN_CHAIN]
     assert sum(COUPLED_TREE) < sum(tree(greedy))
@@ -115,11 +117,11 @@ def test_plans_fit_sampling_and_batch():
     # Beside the coupled tree no prompt lookup below batch 4 (at T = 1 it kept AR's rate); without a
     # draft a short chain, where a round keeps little.
     assert not any(name.startswith("pld") for name in sampled)
-    assert len(dict(candidate_plan(False, False, 1))["pld 2"]) < len(greedy["pld 10"])
+    assert len(dict(candidate_plan(False, False, 1))["pld 2"]) < len(dict(candidate_plan(False, True, 1))["pld 10"])
 
 
 def test_random_draft_falls_back_to_ar_and_stays_exact(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 1.2, DEEP: 2.0, SHALLOW: 1.6}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, DEEP: 2.0}))
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=48, eos_token_ids=())
     auto = generate(target, prompt, draft=draft, max_new_tokens=48, eos_token_ids=())
@@ -200,10 +202,10 @@ def test_chains_sharing_a_history_and_trees_sharing_a_draft_switch_exactly(targe
 
 def test_plans_put_a_lookup_chain_beside_the_greedy_trees_only():
     names = [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=6)]
-    assert names == ["ar", "pld 10", tree_candidate_name(greedy_deep_tree(6), 6), tree_candidate_name(SHALLOW_TREE, 6)]
-    # By default both greedy trees carry a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off, and the deep
-    # tree is then the longspec mode's whole tree.
-    assert [n for n, _ in candidate_plan(True, True, 1)] == ["ar", "pld 10", DEEP, SHALLOW]
+    assert names == ["ar", tree_candidate_name(greedy_deep_tree(6), 6)]
+    # By default the greedy tree carries a chain of DEFAULT_LOOKUP_TOKENS; 0 turns it off, and mode
+    # auto then holds the longspec mode's whole tree, a shallow one and the chain alone.
+    assert [n for n, _ in candidate_plan(True, True, 1)] == ["ar", DEEP]
     unchained = ["ar", "pld 10", tree_candidate_name(DEFAULT_WIDTHS), tree_candidate_name(SHALLOW_TREE)]
     assert [n for n, _ in candidate_plan(True, True, 1, lookup_tokens=0)] == unchained
     # The deep tree is the longspec mode's cut level by level to the rows a chain leaves it: with it the
@@ -265,8 +267,7 @@ def test_mode_auto_with_a_lookup_chain_decodes_as_ar(target, draft, monkeypatch)
     ar = generate(target, prompts, mode="ar", max_new_tokens=30, eos_token_ids=())
     auto = Generator(target, draft, lookup_tokens=4).generate(prompts, max_new_tokens=30, eos_token_ids=())
     assert auto.tokens == ar.tokens
-    for widths in (greedy_deep_tree(4), SHALLOW_TREE):  # both greedy trees ran, each with its chain
-        assert rounds_of(auto)[tree_candidate_name(widths, 4)] > 0
+    assert rounds_of(auto)[tree_candidate_name(greedy_deep_tree(4), 4)] > 0  # the tree with its chain ran
 
 
 def test_calibration_is_kept_for_the_next_process(target, monkeypatch, tmp_path):
@@ -485,17 +486,17 @@ def test_when_sampling_a_remembered_loser_wins_its_place_back():
 
 
 def test_a_losing_draft_is_not_tried_again_at_the_next_requests_start(target, draft, monkeypatch):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
-    generator = Generator(target, draft)
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs(dict(zip(("ar", *UNCHAINED), (1.0, 3.0, 3.0, 2.5)))))
+    generator = Generator(target, draft, lookup_tokens=0)  # three candidates besides AR
     prompt = np.random.default_rng(1).integers(0, VOCAB, 30).tolist()
     ar = generate(target, prompt, mode="ar", max_new_tokens=40, eos_token_ids=())
     first = generator.generate(prompt, max_new_tokens=40, eos_token_ids=())
     second = generator.generate(prompt, max_new_tokens=40, eos_token_ids=())
     assert first.tokens == second.tokens == ar.tokens
     assert first.stats.policy["remembered"] == []
-    assert second.stats.policy["remembered"] == ["pld 10", TREE, SHALLOW]
+    assert second.stats.policy["remembered"] == list(UNCHAINED)
     before, after = rounds_of(first), rounds_of(second)
-    losers = ("pld 10", TREE, SHALLOW)
+    losers = UNCHAINED
     assert all(before[name] >= 1 for name in losers)  # tried at the start of the first request
     assert all(after[name] < before[name] for name in losers), (before, after)
     assert after["ar"] > before["ar"]
@@ -523,23 +524,23 @@ def test_a_remembered_winner_runs_from_the_first_round(target, monkeypatch):
 
 
 def test_memory_is_kept_on_disk_and_keyed_by_the_sampling(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, TREE: 3.0}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     files = list((tmp_path / "acceptance").glob("*.json"))
     assert len(files) == 1
     entries = json.loads(files[0].read_text())["candidates"]
-    assert set(entries) == {"pld 10", TREE, SHALLOW} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
+    assert set(entries) == {TREE} and all(e["tokens_per_round"] >= 1.0 for e in entries.values())
     acceptance_memory.forget_memory()  # what a new process starts with
     again = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
-    assert again.stats.policy["remembered"] == ["pld 10", TREE, SHALLOW]
+    assert again.stats.policy["remembered"] == [TREE]
     monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, COUPLED: 3.0}))
     sampled = generate(target, prompt, draft=draft, max_new_tokens=24, temperature=0.7, eos_token_ids=())
     assert sampled.stats.policy["remembered"] == []  # another kind of request
 
 
 def test_a_damaged_memory_file_is_ignored(target, draft, monkeypatch, tmp_path):
-    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, "pld 10": 3.0, TREE: 3.0, SHALLOW: 2.5}))
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1.0, TREE: 3.0}))
     prompt = np.random.default_rng(2).integers(0, VOCAB, 30).tolist()
     first = generate(target, prompt, draft=draft, max_new_tokens=24, eos_token_ids=())
     (path,) = (tmp_path / "acceptance").glob("*.json")
