@@ -10,7 +10,7 @@ Three measurements in one process, on one prompt:
    a drift from the first measurement to the last says how much that weighs.
 2. Each candidate's round at the margin, run as a fixed mode: decode time at two request lengths in
    one output bucket, over the rounds between them (the slope holds no fixed cost of a request).
-3. AR and the shallow tree after the host idles 0, 50 or 500 ms before the request (a GPU that
+3. AR and the smallest tree after the host idles 0, 50 or 500 ms before the request (a GPU that
    lowers its clocks while idle pays for it at the start of the next request).
 
     python -m benchmarks.calibration_spread --target SmolLM2-135M-Instruct.Q4_1.gguf \\

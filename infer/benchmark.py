@@ -23,8 +23,9 @@ task and temperature. At T = 0 each speculative run is also checked to give exac
 that name beside the plain mode), and a draft's mode the suffix `+full` (`auto+full`,
 `longspec:4-4-4+full`: its draft proposes from the whole vocabulary, not only the candidate tokens
 saved with it). `longspec+pld10` / `auto+pld10` put a 10-token prompt-lookup chain beside the tree
-(mode auto's greedy trees carry one by default: `auto+pld0` runs them without, its deep tree then
-longspec's). A mode the build cannot run (no draft, engine missing) is skipped with its reason.
+(mode auto's greedy tree carries one by default: `auto+pld0` runs without, with longspec's whole
+tree, a (4, 4, 4) one and a chain alone). A mode the build cannot run (no draft, engine missing)
+is skipped with its reason.
 Each run is appended to --runs-out as it finishes (a killed benchmark keeps what it did; the same command with --resume
 runs only what is missing; --summarise builds the tables from such files); the full results go to
 --json-out; a markdown table is printed last.

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_in_range(0, MAX_TREE_NODES),
         default=None,
         help="a prompt-lookup chain of this many tokens beside the draft's tree, verified with it: a round keeps "
-        f"the longer of the two (0 = none; default: {DEFAULT_LOOKUP_TOKENS} beside mode auto's greedy trees, "
+        f"the longer of the two (0 = none; default: {DEFAULT_LOOKUP_TOKENS} beside mode auto's greedy tree, "
         "none in mode longspec)",
     )
     p.add_argument(
