@@ -53,11 +53,8 @@ from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, validate_widths
 LARGE_BATCH = 4  # from this many sequences on, smaller trees
 DRAWN_CHAIN = (1,)  # the draft's candidate at T > 0 from LARGE_BATCH on: one token drawn from it
 COUPLED_TREE = (16, 8)  # ... below LARGE_BATCH: a wide, shallow tree coupled with the target's picks
-SHALLOW_TREE = (
-    4,
-    4,
-    4,
-)  # greedy below LARGE_BATCH without a lookup chain, beside the deep tree: for text the draft knows less
+# Greedy below LARGE_BATCH without a lookup chain, beside the deep tree: for text the draft knows less.
+SHALLOW_TREE = (4, 4, 4)
 DEFAULT_LOOKUP_TOKENS = 32  # the lookup chain beside the greedy trees unless asked otherwise
 LOOKUP_SUFFIX = "+pld "  # "tree 4,16,16,11+pld 16": the tree with a 16-token lookup chain beside it
 
