@@ -173,8 +173,7 @@ def candidate_plan(
     tokens beside it (None: DEFAULT_LOOKUP_TOKENS), and nothing else. A round keeps the longer of
     what the draft's branches and the chain agree with (`proposers.DraftWithLookup`), so it keeps at
     least what the chain alone would, and the tree is the longspec mode's cut to the rows the chain
-    leaves it (`greedy_deep_tree`: (4, 16, 11) beside 32 tokens, 64 rows as the longspec tree alone;
-    74 rows made the round's matrix products slower). On an H100 (2026-12-05, T = 0) that tree fixed
+    leaves it (`greedy_deep_tree`: (4, 16, 11) beside 32 tokens). On an H100 (2026-12-05, T = 0) that tree fixed
     ran at 3.97x / 2.32x AR on the stdlib code / docs summaries and 3.60x / 1.81x on the diverse
     sets, where mode auto that also held the 10-token chain alone and a (4, 4, 4) tree with the same
     chain ran at 3.10x / 2.03x / 3.54x / 1.75x: the chain alone's rounds cost 0.65 of the tree's and
