@@ -171,17 +171,12 @@ def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = Fal
     later request: never retried, its memory never corrected, mode auto ran AR (0.89x on the H200,
     2026-12-03). Greedy, it weighs as one round: what a tree or a prompt-lookup chain keeps follows
     the text (a chain that kept six tokens a round on the last request's code may keep one on this
-    one's), and on a CPU a round of either costs several AR steps, so the first round of evidence
-    decides."""
-    kept = load_memory(key, memory_folder())
-    remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
+    one's), and on a CPU a round of either costs several AR steps, so the first trial decides
+    (policy.GREEDY_TRIAL_AR_STEPS: a few rounds of a tree that costs two AR steps, one where it costs
+    ten)."""
+    remembered, tokens, wait, rounds = memory_arrays(load_memory(key, memory_folder()), names, sampled)
     if not remembered and seconds is None:
         return state, ()
-    tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
-    wait = np.asarray([(FIRST_WAIT if sampled else kept[n]["wait"]) if n in remembered else 0 for n in names], np.int32)
-    rounds = np.asarray(
-        [min(kept[n]["rounds"], SAMPLED_EVIDENCE) if sampled and n in remembered else 1 for n in names], np.float32
-    )
     if seconds is None:
         policy = _with_memory(state.proposal.policy, np.stack([tokens, wait, rounds]).astype(np.float32))
     else:
@@ -194,7 +189,26 @@ def remember(key: str, names: tuple[str, ...], policy) -> None:
     """After a request: fold what each candidate kept in it (the policy read back, numpy arrays)
     into the memory of this kind of request."""
     folder = memory_folder()
-    entries = dict(load_memory(key, folder))
+    save_memory(key, folded(load_memory(key, folder), names, policy), folder)
+
+
+def memory_arrays(kept: dict, names: tuple[str, ...], sampled: bool = False):
+    """What `with_remembered` sets, from the entries `load_memory` gives: (the names of the
+    remembered candidates other than AR, tokens float32[K] (NaN where none), wait int32[K], rounds
+    float32[K] the evidence each estimate weighs as)."""
+    remembered = tuple(n for k, n in enumerate(names) if k != AR and n in kept)
+    tokens = np.asarray([kept[n]["tokens_per_round"] if n in remembered else np.nan for n in names], np.float32)
+    wait = np.asarray([(FIRST_WAIT if sampled else kept[n]["wait"]) if n in remembered else 0 for n in names], np.int32)
+    rounds = np.asarray(
+        [min(kept[n]["rounds"], SAMPLED_EVIDENCE) if sampled and n in remembered else 1 for n in names], np.float32
+    )
+    return remembered, tokens, wait, rounds
+
+
+def folded(entries: dict, names: tuple[str, ...], policy) -> dict:
+    """The memory's entries after a request whose policy (read back, numpy arrays) is given: each
+    candidate's mean tokens per round, the older requests' rounds weighed as at most MEMORY_ROUNDS."""
+    entries = dict(entries)
     for k, name in enumerate(names):
         active = int(policy.active[k])
         if k == AR or active == 0:
@@ -206,4 +220,4 @@ def remember(key: str, names: tuple[str, ...], policy) -> None:
             mean = (old["tokens_per_round"] * weight + mean * rounds) / (weight + rounds)
             rounds += weight
         entries[name] = {"tokens_per_round": max(mean, 1.0), "rounds": rounds, "wait": int(policy.wait[k])}
-    save_memory(key, entries, folder)
+    return entries
