@@ -29,9 +29,18 @@ and one that starts paying again is found within that many rounds. When sampling
 than AR, once picked, runs MIN_SAMPLED_RUN rounds before it is judged again: judged after every
 round, a trial ended at its first unlucky round, so a tree that keeps 2.4 tokens a round where 1.7
 break even, retried one round at a time, could lose every retry and leave a request to AR (seen at
-T = 1 on the H200: 126 AR-bound rounds where the tree alone took 52). A trial whose first
-HOPELESS_AFTER rounds kept nothing the target did not pick itself (one token a round) ends there: a
-draft that is never right costs three rounds a retry, not eight. All of it is
+T = 1 on the H200: 126 AR-bound rounds where the tree alone took 52). Greedy, the same holds for a
+different reason: what a greedy round keeps is skewed (on prose most rounds of the (4, 16, 11) tree
+with its chain keep 1-4 tokens, a few keep 10-30), so one round says little about the mean. A greedy
+run of a candidate other than AR therefore lasts until it has cost about GREEDY_TRIAL_AR_STEPS AR
+steps (four rounds of a tree that costs two AR steps on a GPU; one round where a round costs ten or
+more, as on a CPU), and a retry (a run after a wait of FIRST_WAIT rounds or more: the text has moved
+on) weighs its old estimate as one round only, so the trial decides. Judged one round at a time, with
+the old estimate's full weight, mode auto ran 16-98 AR rounds of 128-token summaries where the tree
+kept 2.8-7.6 tokens a round (H100, 2026-12-05), and lost 7-10 % to the fixed tree. A trial whose
+first HOPELESS_AFTER rounds (GREEDY_HOPELESS_AFTER greedy) kept nothing the target did not pick
+itself (one token a round) ends there: a draft that is never right costs three rounds a retry (greedy
+two), not eight (greedy four). All of it is
 arrays in the loop's carry, updated by every round and read by `choose` on the device: the host
 takes no part in the choice (decode_loop.decode).
 
@@ -51,7 +60,9 @@ SAMPLED_BONUS = 0.75  # when sampling, tokens added to an estimate of n rounds, 
 FIRST_WAIT = 8  # rounds before a losing candidate is first retried
 MAX_WAIT = 256  # ... and at most this many after repeated losses
 MIN_SAMPLED_RUN = 8  # when sampling, rounds a picked candidate other than AR runs before it is judged again
+GREEDY_TRIAL_AR_STEPS = 8.0  # greedy, a run of one other than AR lasts this many AR steps' worth (>= 1 round)
 HOPELESS_AFTER = 3  # ... unless its first this many rounds kept no token beyond the target's own
+GREEDY_HOPELESS_AFTER = 2  # ... greedy
 AR = 0  # candidate 0 is always the plain target step
 
 
@@ -187,8 +198,8 @@ def choose(policy: PolicyState, sampled=False):
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
     74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`;
-    then a candidate other than AR that ran fewer than MIN_SAMPLED_RUN rounds in a row runs on,
-    unless its first HOPELESS_AFTER rounds kept one token each."""
+    then a candidate other than AR that ran fewer than MIN_SAMPLED_RUN rounds in a row runs on, and
+    greedy, fewer than `trial_rounds`; either unless its first HOPELESS_AFTER rounds kept one token each."""
     rates = expected_rates(policy, sampled)
     best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
@@ -197,9 +208,18 @@ def choose(policy: PolicyState, sampled=False):
     overdue = jnp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = first_max(overdue)
     pick = jnp.where(overdue[retry] >= 0, retry, best)
-    hopeless = (policy.streak >= HOPELESS_AFTER) & (policy.run_kept <= policy.streak)
-    on_trial = sampled & (policy.last > AR) & (policy.streak < MIN_SAMPLED_RUN) & ~hopeless
+    hopeless_after = jnp.where(sampled, HOPELESS_AFTER, GREEDY_HOPELESS_AFTER)
+    hopeless = (policy.streak >= hopeless_after) & (policy.run_kept <= policy.streak)
+    running = jnp.maximum(policy.last, AR)
+    run_length = jnp.where(sampled, MIN_SAMPLED_RUN, trial_rounds(policy)[running])
+    on_trial = (policy.last > AR) & (policy.streak < run_length) & ~hopeless
     return jnp.where(on_trial, policy.last, pick).astype(jnp.int32)
+
+
+def trial_rounds(policy: PolicyState) -> jax.Array:
+    """float32[K]: the rounds a greedy run of each candidate lasts before it is judged: as many as
+    cost GREEDY_TRIAL_AR_STEPS AR steps, at least one."""
+    return jnp.maximum(jnp.floor(GREEDY_TRIAL_AR_STEPS / break_even_tokens(policy.seconds_per_round)), 1.0)
 
 
 def ar_rounds_before_a_retry(policy: PolicyState, sampled=False) -> jax.Array:
@@ -298,11 +318,14 @@ def record(
     if progress is not None:
         per_sequence = progress.astype(jnp.float32)
     ran = is_chosen & (active > 0) & (chosen != AR)
+    # Greedy, a run after a wait (the text moved on) weighs the old estimate as one round: the trial decides.
+    restart = is_chosen & jnp.logical_not(sampled) & (policy.since_used >= FIRST_WAIT)
+    evidence = jnp.where(restart, jnp.minimum(policy.evidence, 1.0), policy.evidence)
     # A running mean over the evidence (the prior one round) until a round weighs the EMA weight.
-    weight = jnp.maximum(1.0 / (policy.evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
+    weight = jnp.maximum(1.0 / (evidence + 1.0), jnp.where(sampled, SAMPLED_EMA_WEIGHT, EMA_WEIGHT))
     estimate = jnp.where(ran, (1.0 - weight) * policy.tokens_per_round + weight * per_sequence, policy.tokens_per_round)
     # The evidence is overwritten once the estimate has read it: in place, not after a copy.
-    estimate, evidence = jax.lax.optimization_barrier((estimate, policy.evidence))
+    estimate, evidence = jax.lax.optimization_barrier((estimate, evidence))
     run_kept = jnp.where(policy.last == chosen, policy.run_kept, 0.0) + per_sequence
     policy = policy.replace(
         tokens_per_round=estimate,
