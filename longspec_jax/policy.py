@@ -199,7 +199,8 @@ def choose(policy: PolicyState, sampled=False):
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
     74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`;
     then a candidate other than AR that ran fewer than MIN_SAMPLED_RUN rounds in a row runs on, and
-    greedy, fewer than `trial_rounds`; either unless its first HOPELESS_AFTER rounds kept one token each."""
+    greedy, fewer than `trial_rounds`; either unless its first HOPELESS_AFTER rounds (greedy
+    GREEDY_HOPELESS_AFTER) kept one token each."""
     rates = expected_rates(policy, sampled)
     best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
