@@ -119,13 +119,24 @@ def random_prompt(vocab_size: int, prompt_tokens: int) -> list[int]:
 
 
 def per_request(
-    target, draft, prompts, mode: str, new_tokens=(130, 256), repeats=3, *, widths=None, warm_up: int = 1, **request
+    target,
+    draft,
+    prompts,
+    mode: str,
+    new_tokens=(130, 256),
+    repeats=3,
+    *,
+    widths=None,
+    lookup: int | None = None,
+    warm_up: int = 1,
+    **request,
 ) -> dict:
     """{"round_ms", "fixed_ms", "before_loop_ms", "wall_extra_ms", "calibrated_ms", "driver_steps_ms"} of one mode (and
-    tree `widths`) on `prompts` (`length_points` at the shortest length, the slope between the
+    tree `widths`, with a prompt-lookup chain of `lookup` tokens beside it: None the mode's default) on
+    `prompts` (`length_points` at the shortest length, the slope between the
     two). warm_up: untimed requests first (compiles and calibrates; a GPU builds its graphs over a
     process's first calls). request: generate's sampling settings (temperature, seed)."""
-    gen = generation.Generator(target, draft, mode=mode, tree_widths=widths)
+    gen = generation.Generator(target, draft, mode=mode, tree_widths=widths, lookup_tokens=lookup)
     for _ in range(warm_up):
         gen.generate(prompts, max_new_tokens=max(new_tokens), eos_token_ids=(), **request)
     with driver_steps() as steps:
@@ -189,9 +200,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--warm-up", type=int, default=1, help="untimed requests per mode and batch size first")
     parser.add_argument("--small", action="store_true", help="a tiny model and few arguments (tests)")
     args = parser.parse_args(argv)
-    from infer.benchmark import parse_mode_spec
+    from infer.benchmark import lookup_tokens, parse_mode_spec
 
-    modes = [(spec, *parse_mode_spec(spec)) for spec in args.modes.split(",")]
+    modes = [(spec, *parse_mode_spec(spec), lookup_tokens(spec)) for spec in args.modes.split(",")]
     if args.target:
         from longspec_jax.draft_io import inference_draft
         from longspec_jax.target import load_target
@@ -223,7 +234,7 @@ def main(argv=None) -> dict:
     print(f"{device}, jax {jax.__version__}; {shape}; {what}; T = {args.temperature:g}")
     report = {"requests": [], "calls": []}
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        for spec, mode, widths in modes:
+        for spec, mode, widths, lookup in modes:
             if batch > 1 and mode in ("longspec", "pld"):
                 continue
             r = per_request(
@@ -234,6 +245,7 @@ def main(argv=None) -> dict:
                 new_tokens,
                 args.repeats,
                 widths=widths,
+                lookup=lookup,
                 warm_up=args.warm_up,
                 **request,
             )

@@ -5,6 +5,8 @@ cost reproduce the measured decode time."""
 import json
 import math
 
+import pytest
+
 from benchmarks import request_overhead
 from longspec_jax.adaptive import candidate_plan
 from longspec_jax.draft_io import init_draft
@@ -64,6 +66,23 @@ def test_the_fit_reproduces_a_linear_cost(monkeypatch):
     r = request_overhead.per_request(Target(), None, [[1] * 10], "ar", (130, 256), repeats=1, temperature=1.0, seed=4)
     assert abs(r["round_ms"] - 0.5) < 1e-9 and abs(r["fixed_ms"] - 3.0) < 1e-9
     assert abs(r["before_loop_ms"] - 1.0) < 1e-9
+
+
+def test_a_mode_with_a_lookup_chain_builds_its_generator_with_the_chain(monkeypatch):
+    built = []
+
+    class Stopped(Exception):
+        pass
+
+    class FakeGenerator:
+        def __init__(self, target, draft, **kwargs):
+            built.append(kwargs)
+            raise Stopped
+
+    monkeypatch.setattr(request_overhead.generation, "Generator", FakeGenerator)
+    with pytest.raises(Stopped):
+        request_overhead.main(["--small", "--modes", "longspec:4-16-11+pld32", "--batch-sizes", "1"])
+    assert built == [{"mode": "longspec", "tree_widths": (4, 16, 11), "lookup_tokens": 32}]
 
 
 def test_a_saved_model_decodes_an_eval_prompt_in_each_mode(tmp_path, capsys):
