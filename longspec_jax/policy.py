@@ -37,7 +37,9 @@ steps (four rounds of a tree that costs two AR steps on a GPU; one round where a
 more, as on a CPU), and a retry (a run after a wait of FIRST_WAIT rounds or more: the text has moved
 on) weighs its old estimate as one round only, so the trial decides. Judged one round at a time, with
 the old estimate's full weight, mode auto ran 16-98 AR rounds of 128-token summaries where the tree
-kept 2.8-7.6 tokens a round (H100, 2026-12-05), and lost 7-10 % to the fixed tree. A trial whose
+kept 2.8-7.6 tokens a round (H100, 2026-12-05), and lost 7-10 % to the fixed tree; with trials it
+still ran 18-50 such AR rounds and lost 6 %. So greedy, once past its trial a running tree also stays
+until its estimate is GREEDY_STAY_MARGIN below break-even (`judged_rates`). A trial whose
 first HOPELESS_AFTER rounds (GREEDY_HOPELESS_AFTER greedy) kept nothing the target did not pick
 itself (one token a round) ends there: a draft that is never right costs three rounds a retry (greedy
 two), not eight (greedy four). All of it is
@@ -63,6 +65,7 @@ MIN_SAMPLED_RUN = 8  # when sampling, rounds a picked candidate other than AR ru
 GREEDY_TRIAL_AR_STEPS = 8.0  # greedy, a run of one other than AR lasts this many AR steps' worth (>= 1 round)
 HOPELESS_AFTER = 3  # ... unless its first this many rounds kept no token beyond the target's own
 GREEDY_HOPELESS_AFTER = 2  # ... greedy
+GREEDY_STAY_MARGIN = 0.25  # greedy, the running candidate (not AR) is judged as if its rate were 1 / (1 - this) higher
 AR = 0  # candidate 0 is always the plain target step
 
 
@@ -186,6 +189,30 @@ def expected_rates(policy: PolicyState, sampled=False) -> jax.Array:
     return (policy.tokens_per_round + bonus) / policy.seconds_per_round
 
 
+def judged_rates(policy: PolicyState, sampled=False) -> jax.Array:
+    """float32[K]: the rates `choose` compares: `expected_rates`, and greedy, the running candidate's
+    (the latest round's, other than AR) as if it were 1 / (1 - GREEDY_STAY_MARGIN) higher, so that it
+    keeps its place until its estimate falls that far below what would make it the best. A greedy
+    round's keep is skewed (most rounds of a summary keep 1-4 tokens, a few 10-32), so an estimate a
+    little under break-even after a run of short rounds says little, while leaving sends the request
+    to AR until the next retry. Replayed at the H100's costs (2026-12-05), mode auto on the diverse
+    summaries went from 0.93 of the fixed tree's speed to 1.00, and on text the draft never gets
+    right from 0.975 of AR's to 0.96."""
+    rates = expected_rates(policy, sampled)
+    k = rates.shape[0]
+    running = (
+        (jnp.arange(k) == policy.last) & (policy.last != AR) & jnp.logical_not(sampled) & ~_hopeless(policy, sampled)
+    )
+    return jnp.where(running, rates / (1.0 - GREEDY_STAY_MARGIN), rates)
+
+
+def _hopeless(policy: PolicyState, sampled) -> jax.Array:
+    """bool[]: the running candidate's first HOPELESS_AFTER rounds (GREEDY_HOPELESS_AFTER greedy)
+    kept one token each: its trial ends, and greedy, it has no margin to stay on."""
+    hopeless_after = jnp.where(sampled, HOPELESS_AFTER, GREEDY_HOPELESS_AFTER)
+    return (policy.streak >= hopeless_after) & (policy.run_kept <= policy.streak)
+
+
 def _rounds_overdue(policy: PolicyState, best):
     """float[K]: rounds since each candidate last ran, less its retry wait (its `wait` scaled by what
     its round costs against the best's, at most MAX_WAIT); >= 0 when a retry is due."""
@@ -194,14 +221,14 @@ def _rounds_overdue(policy: PolicyState, best):
 
 
 def choose(policy: PolicyState, sampled=False):
-    """The candidate for the next round: the best by expected rate, unless another one has waited
+    """The candidate for the next round: the best by `judged_rates`, unless another one has waited
     its turn for a retry (the one that waited longest past its wait). A candidate that could not
     beat the best even if every round kept all it can (max_tokens) is never retried: on a CPU a
     74-node tree round costs twenty AR steps and can keep six tokens. sampled: as in `expected_rates`;
     then a candidate other than AR that ran fewer than MIN_SAMPLED_RUN rounds in a row runs on, and
     greedy, fewer than `trial_rounds`; either unless its first HOPELESS_AFTER rounds (greedy
     GREEDY_HOPELESS_AFTER) kept one token each."""
-    rates = expected_rates(policy, sampled)
+    rates = judged_rates(policy, sampled)
     best = first_max(rates)
     could_win = policy.max_tokens / policy.seconds_per_round > rates[best]
     overdue = _rounds_overdue(policy, best)
@@ -209,8 +236,7 @@ def choose(policy: PolicyState, sampled=False):
     overdue = jnp.where((candidates != best) & (candidates != AR) & could_win, overdue, -1)
     retry = first_max(overdue)
     pick = jnp.where(overdue[retry] >= 0, retry, best)
-    hopeless_after = jnp.where(sampled, HOPELESS_AFTER, GREEDY_HOPELESS_AFTER)
-    hopeless = (policy.streak >= hopeless_after) & (policy.run_kept <= policy.streak)
+    hopeless = _hopeless(policy, sampled)
     running = jnp.maximum(policy.last, AR)
     run_length = jnp.where(sampled, MIN_SAMPLED_RUN, trial_rounds(policy)[running])
     on_trial = (policy.last > AR) & (policy.streak < run_length) & ~hopeless
