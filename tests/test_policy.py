@@ -620,3 +620,15 @@ def test_greedy_a_retry_forgets_the_estimate_that_sent_it_to_ar():
     chosen = np.asarray(chosen)
     first_retry = int(np.argmax(chosen == 1))
     assert 0 < first_retry <= MAX_WAIT and (chosen[first_retry:] == 1).all()
+
+
+def test_greedy_a_hopeless_trial_ends_even_where_the_margin_would_keep_it():
+    # Remembered at 4 tokens a round (weighing one round), the tree keeps one token in each of its
+    # first rounds: the estimate, 2.0, is within the margin of break-even (2.13), but a trial that
+    # kept nothing beyond the target's own tokens ends after GREEDY_HOPELESS_AFTER rounds.
+    seconds = [0.661, 1.407]
+    start = with_memory(init_policy(seconds, max_tokens=[1, 33]), np.asarray([np.nan, 4.0]), [0, 8], [0, 1])
+    tokens = np.ones((12, 2), np.int32)
+    _, chosen = simulate(start, tokens)
+    chosen = np.asarray(chosen)
+    assert (chosen[:GREEDY_HOPELESS_AFTER] == 1).all() and (chosen[GREEDY_HOPELESS_AFTER:] == AR).all(), chosen
