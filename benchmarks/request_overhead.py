@@ -42,7 +42,7 @@ from longspec_jax.draft_io import init_draft
 from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import random_target
 
-DRIVER_STEPS = ("run_prefill", "calibrated", "with_remembered", "read")
+DRIVER_STEPS = ("run_prefill", "kept_costs", "policy_setup", "calibrated", "with_remembered", "read")
 
 
 @contextlib.contextmanager
@@ -63,6 +63,8 @@ def driver_steps():
 
     owners = {
         "run_prefill": generation.Generator,
+        "kept_costs": generation,
+        "policy_setup": generation,
         "calibrated": generation,
         "with_remembered": generation,
         "read": generation._Progress,

@@ -174,15 +174,24 @@ def with_remembered(state, names: tuple[str, ...], key: str, sampled: bool = Fal
     one's), and on a CPU a round of either costs several AR steps, so the first trial decides
     (policy.GREEDY_TRIAL_AR_STEPS: a few rounds of a tree that costs two AR steps, one where it costs
     ten)."""
-    remembered, tokens, wait, rounds = memory_arrays(load_memory(key, memory_folder()), names, sampled)
-    if not remembered and seconds is None:
-        return state, ()
     if seconds is None:
+        remembered, tokens, wait, rounds = memory_arrays(load_memory(key, memory_folder()), names, sampled)
+        if not remembered:
+            return state, ()
         policy = _with_memory(state.proposal.policy, np.stack([tokens, wait, rounds]).astype(np.float32))
     else:
-        memory = np.stack([np.asarray(seconds, np.float32), tokens, wait, rounds]).astype(np.float32)
-        policy = _with_costs_and_memory(state.proposal.policy, memory)
+        setup, remembered = policy_setup(names, key, sampled, seconds)
+        policy = _with_costs_and_memory(state.proposal.policy, setup)
     return state.replace(proposal=state.proposal.replace(policy=policy)), remembered
+
+
+def policy_setup(names: tuple[str, ...], key: str, sampled: bool, seconds) -> tuple[np.ndarray, tuple[str, ...]]:
+    """(float32[4, K]: the seconds per round of each candidate and what `with_remembered` sets from
+    the memory (tokens per round, wait, rounds), the names of the remembered candidates): what
+    `decode_loop.start` sets into the policy when the costs are known before the request starts, so
+    that a request of mode auto makes no call of its own for it."""
+    remembered, tokens, wait, rounds = memory_arrays(load_memory(key, memory_folder()), names, sampled)
+    return np.stack([np.asarray(seconds, np.float32), tokens, wait, rounds]).astype(np.float32), remembered
 
 
 def remember(key: str, names: tuple[str, ...], policy) -> None:

@@ -141,6 +141,23 @@ def measure_rounds(state, run, candidates: int, only=None, clock=time.perf_count
     return state, seconds
 
 
+def kept_costs(names: tuple[str, ...], key: str) -> np.ndarray | None:
+    """float seconds[K] per round of each candidate when every one was measured before (in memory or
+    on disk), else None: the request measures them (`calibrated`)."""
+    kept = load_calibration(key, calibration_folder()) or {}
+    if not all(n in kept for n in names):
+        return None
+    return np.asarray([kept[n] for n in names])
+
+
+def unmeasured_setup(candidates: int) -> np.ndarray:
+    """float32[4, K]: `decode_loop.start`'s policy setup for a request that measures the costs itself:
+    every candidate at UNMEASURED_SECONDS, nothing remembered (the costs and the memory are set after
+    the measuring rounds, acceptance_memory.with_remembered)."""
+    k = candidates
+    return np.stack([np.full(k, UNMEASURED_SECONDS), np.full(k, np.nan), np.zeros(k), np.ones(k)]).astype(np.float32)
+
+
 def calibrated(state, run, names: tuple[str, ...], key: str):
     """The policy's seconds per round of each candidate: from memory or disk when this kind of
     request was measured before, else measured now on the first rounds (each candidate's rounds

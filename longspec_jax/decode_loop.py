@@ -45,6 +45,7 @@ from longspec_jax.policy import (
     count_rounds,
     record,
     record_ar_rounds,
+    with_costs_and_memory,
 )
 from longspec_jax.proposers import write_rows
 from longspec_jax.sampling import SamplingParams, filtered_log_probs, pick_token, pick_with_noise
@@ -255,17 +256,27 @@ def start(
     sampling: SamplingParams,
     key,
     stop: StopRule,
+    policy_setup=None,
     *,
     config: LoopConfig,
 ) -> LoopState:
     """The loop's initial state from the prefill: the first token picked from its logits
-    float32[B, V], and the proposer's state filled from the prompts (int32[B, prompt bucket])."""
+    float32[B, V], and the proposer's state filled from the prompts (int32[B, prompt bucket]).
+    policy_setup float32[4, K] (an adaptive proposer's): each candidate's seconds per round and what
+    earlier requests kept (tokens per round, NaN where none; retry wait; rounds of evidence), set
+    into the policy here (policy.with_costs_and_memory) rather than by a call of its own before the
+    loop's (acceptance_memory.policy_setup builds it)."""
     model = nnx.merge(config.graphdef, params)
     b = prompt_tokens.shape[0]
     first = pick_token(jax.random.fold_in(key, 0), last_logits, sampling)
+    proposal = config.proposer.init(proposer_params, model, cache, prompt_tokens, prompt_lengths, first)
+    if policy_setup is not None:
+        seconds, tokens, wait, rounds = policy_setup
+        policy = with_costs_and_memory(proposal.policy, seconds, tokens, wait.astype(jnp.int32), rounds)
+        proposal = proposal.replace(policy=policy)
     return LoopState(
         cache=cache,
-        proposal=config.proposer.init(proposer_params, model, cache, prompt_tokens, prompt_lengths, first),
+        proposal=proposal,
         roots=first,
         out=jnp.zeros((b, config.new_bucket + config.depth + 1), jnp.int32).at[:, 0].set(first),
         n_new=jnp.ones((b,), jnp.int32),

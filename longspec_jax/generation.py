@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from longspec_jax import attention
-from longspec_jax.acceptance_memory import memory_key, remember, weights_fingerprint, with_remembered
+from longspec_jax.acceptance_memory import memory_key, policy_setup, remember, weights_fingerprint, with_remembered
 from longspec_jax.adaptive import (
     DEFAULT_LOOKUP_TOKENS,
     Adaptive,
@@ -47,7 +47,7 @@ from longspec_jax.adaptive import (
     candidate_plan,
     greedy_deep_tree,
 )
-from longspec_jax.calibration import calibrated, calibration_key, policy_stats
+from longspec_jax.calibration import calibrated, calibration_key, kept_costs, policy_stats, unmeasured_setup
 from longspec_jax.candidate_vocabulary import candidate_tokens_key
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
@@ -377,6 +377,7 @@ class Generator:
             sampling,
             jax.random.key(request.seed),
             stop,
+            unmeasured_setup(len(proposer.names)) if adaptive else None,  # replaced below where the costs are kept
         )
         draft = self.draft_for(request.sampling)
         programs = self.loop_programs(proposer, proposer_params, new_bucket, cache_len, start_args, draft)
@@ -419,12 +420,17 @@ class Generator:
         memory = self.acceptance_key(proposer, request, len(prompts)) if adaptive else None
         runs = []  # each call of the loop: (what, rounds, seconds), the host's reads included
         try:
-            state = programs.start(*start_args)
+            setup, seconds, sampled = start_args[-1], None, not request.sampling.greedy
+            if adaptive:  # costs measured before: they and the memory go into the policy in the start call
+                seconds = kept_costs(proposer.names, programs.calibration_key)
+                if seconds is not None:
+                    setup, remembered = policy_setup(proposer.names, memory, sampled, seconds)
+                    calibration = "kept"
+            state = programs.start(*start_args[:-1], setup)
             rounds = 0  # the host reads the state only after a loop call: no sync before the loop
-            if adaptive:
+            if adaptive and seconds is None:  # measured now, on the first rounds, then set
                 state, seconds, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
                 rounds = int(state.rounds) if calibration == "measured" else 0
-                sampled = not request.sampling.greedy
                 state, remembered = with_remembered(state, proposer.names, memory, sampled, seconds=seconds)
             if request.profile:
                 jax.block_until_ready(state)

@@ -15,6 +15,7 @@ from flax import nnx, struct
 from scipy import stats
 
 from longspec_jax import acceptance_memory, calibration
+from longspec_jax import generation as generation_module
 from longspec_jax.adaptive import (
     COUPLED_TREE,
     DEFAULT_LOOKUP_TOKENS,
@@ -31,7 +32,7 @@ from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
 from longspec_jax.generation import DecodeRequest, Generator, generate
-from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_memory
+from longspec_jax.policy import AR, FIRST_WAIT, PolicyState, init_policy, with_costs, with_costs_and_memory, with_memory
 from longspec_jax.proposers import DraftProposer, NoProposal, PromptLookup
 from longspec_jax.sampling import SamplingParams, SamplingSettings
 from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, num_nodes
@@ -587,3 +588,34 @@ def test_a_memory_snapshot_is_a_copy_and_restores_exactly():
     acceptance_memory.restore_memory(snapshot)
     assert acceptance_memory.load_memory("kind", None) == {"pld 10": entry}
     assert acceptance_memory.load_memory("other kind", None) == {}
+
+
+def test_the_unmeasured_setup_leaves_the_initial_policy_as_it_is():
+    # A request that measures its costs starts its policy through the same start call as one with
+    # kept costs: the set-up it passes must change nothing before the measuring rounds.
+    policy = init_policy(jnp.ones(3), max_tokens=[1, 3, 2])
+    setup = calibration.unmeasured_setup(3)
+    set_up = with_costs_and_memory(policy, setup[0], setup[1], setup[2].astype(np.int32), setup[3])
+    for a, b in zip(jax.tree.leaves(set_up), jax.tree.leaves(policy)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_request_with_kept_costs_sets_its_policy_in_the_start_call(target, draft, monkeypatch):
+    # The first request of a kind measures the costs and then sets them and the memory by a call of
+    # their own; a later one finds them kept and passes them to the start call instead.
+    monkeypatch.setattr(calibration, "measure_rounds", fixed_costs({"ar": 1e-3, DEEP: 1.5e-3}))
+    calls = []
+    original = generation_module.with_remembered
+    monkeypatch.setattr(generation_module, "with_remembered", lambda *a, **k: calls.append(1) or original(*a, **k))
+    rng = np.random.default_rng(6)
+    prompt = [rng.integers(0, VOCAB, 30).tolist()]
+    ar = generate(target, prompt, mode="ar", max_new_tokens=30, eos_token_ids=())
+    generator = Generator(target, draft)
+    first = generator.generate(prompt, max_new_tokens=30, eos_token_ids=())
+    assert first.stats.policy["calibration"] == "measured" and len(calls) == 1
+    second = generator.generate(prompt, max_new_tokens=30, eos_token_ids=())
+    assert second.stats.policy["calibration"] == "kept" and len(calls) == 1
+    assert second.stats.policy["remembered"] == [DEEP]  # the first request's rounds, set in the start call
+    costs = [c["ms_per_round"] for c in second.stats.policy["candidates"].values()]
+    assert costs == pytest.approx([1.0, 1.5])
+    assert first.tokens == second.tokens == ar.tokens
