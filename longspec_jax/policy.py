@@ -195,9 +195,9 @@ def judged_rates(policy: PolicyState, sampled=False) -> jax.Array:
     keeps its place until its estimate falls that far below what would make it the best. A greedy
     round's keep is skewed (most rounds of a summary keep 1-4 tokens, a few 10-32), so an estimate a
     little under break-even after a run of short rounds says little, while leaving sends the request
-    to AR until the next retry. Replayed at the H100's costs (2026-12-05), mode auto on the diverse
-    summaries went from 0.93 of the fixed tree's speed to 1.00, and on text the draft never gets
-    right from 0.975 of AR's to 0.96."""
+    to AR until the next retry. A hopeless trial (`_hopeless`) gets no margin. Replayed at the H100's
+    costs (2026-12-05), mode auto on the diverse summaries went from 0.93 of the fixed tree's speed
+    to 1.00, and on text the draft never gets right stayed at 0.97 of AR's."""
     rates = expected_rates(policy, sampled)
     k = rates.shape[0]
     running = (
