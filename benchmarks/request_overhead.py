@@ -14,8 +14,10 @@ Per mode it also times the host driver's steps of a request (`driver_steps`: the
 mode auto's calibration lookup and policy set-up, each read of the progress back), since what a
 request costs besides its rounds is mostly such host work.
 
-Part 2 (random weights only): one compiled call with many argument leaves (weights, a donated
-cache, a while loop of a few tiny rounds), to see what the number of buffers a call passes costs.
+Part 2: the host time a call spends flattening the target's parameters (Generator passes them as
+plain nested dicts: an nnx.State's Variable nodes flatten through Python, ~1-2 us an array); and,
+random weights only, one compiled call with many argument leaves (weights, a donated cache, a while
+loop of a few tiny rounds), to see what the number of buffers a call passes costs.
 
     python -m benchmarks.request_overhead [--shape smollm2_135m] [--prompt-tokens 2500]
     python -m benchmarks.request_overhead --target SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -36,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from longspec_jax import generation
 from longspec_jax.draft_io import init_draft
@@ -181,6 +184,17 @@ def per_call(weight_leaves: int, cache_leaves: int, rounds: int, repeats: int = 
     return 1e3 * statistics.median(seconds[repeats // 10 :])
 
 
+def flatten_ms(tree, repeats: int = 200) -> float:
+    """Median host milliseconds to flatten `tree`, which every call of a compiled program does to
+    its arguments."""
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.tree.flatten(tree)
+        seconds.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(seconds)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
@@ -262,6 +276,13 @@ def main(argv=None) -> dict:
                 + ", ".join(f"{k} {v:.3f}" for k, v in r["driver_steps_ms"].items()),
                 flush=True,
             )
+    state = nnx.state(target.decode_model())
+    report["flatten_ms"] = {"nnx.State": flatten_ms(state), "plain dicts": flatten_ms(nnx.to_pure_dict(state))}
+    print(
+        f"flattening the target's {len(jax.tree.leaves(state))} parameter arrays, as a call does: "
+        + ", ".join(f"{kind} {ms:.3f} ms" for kind, ms in report["flatten_ms"].items()),
+        flush=True,
+    )
     for weights, cache, rounds in calls:
         ms = per_call(weights, cache, rounds)
         report["calls"].append({"weights": weights, "cache": cache, "rounds": rounds, "ms": ms})

@@ -122,6 +122,17 @@ def test_a_repeated_shape_neither_traces_nor_keys_the_compile_cache(target, monk
     assert again.tokens == first.tokens and again.stats.compile_s == 0.0
 
 
+def test_the_parameters_a_call_passes_are_plain_containers(target):
+    """Every call of a compiled program flattens its arguments; the weights go as nested dicts of
+    arrays, whose flattening stays in C++ (an nnx.State's Variable nodes flatten through Python)."""
+    gen = Generator(target, mode="ar")
+    structure = str(jax.tree.structure(gen.params))
+    assert "CustomNode" not in structure and len(jax.tree.leaves(gen.params)) == len(
+        jax.tree.leaves(nnx.state(target.decode_model()))
+    )
+    assert "CustomNode" in str(jax.tree.structure(nnx.state(target.decode_model())))  # what it replaced
+
+
 def test_a_short_request_runs_in_one_call_and_a_long_one_in_chunks(target, monkeypatch):
     from longspec_jax import generation
 
