@@ -28,7 +28,7 @@ from flax import nnx
 
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
-from longspec_jax.decode_loop import LoopConfig, decode, start
+from longspec_jax.decode_loop import LoopConfig, decode, start, started
 from longspec_jax.model import init_cache
 from longspec_jax.model_shapes import timing_shape
 from longspec_jax.proposers import NoProposal
@@ -95,7 +95,7 @@ def bench_one(
         stop,
     )
     run_start, _ = compiled(start, *start_args(cache), config=loop)
-    state = run_start(*start_args(cache))
+    state = started(run_start, *start_args(cache))
     stop_at = jnp.asarray(steps, jnp.int32)
     run_decode, _ = compiled(decode, params, (), state, stop_at, sampling, config=loop)
     single, _ = compiled(one_round, params, (), state, sampling, config=loop)
@@ -104,7 +104,7 @@ def bench_one(
     for _ in range(repeats + 1):  # the first run warms up
         state, s = timed(run_decode, params, (), state, stop_at, sampling)
         loop_s.append(s / steps)
-        state = run_start(*start_args(state.cache))
+        state = started(run_start, *start_args(state.cache))
     alone_s = []
     for _ in range(steps + 1):
         state, s = timed(single, params, (), state, sampling)

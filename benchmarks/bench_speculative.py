@@ -45,7 +45,7 @@ from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth, with_vocabu
 from benchmarks.trace_round import print_summary, print_top, summarise
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
-from longspec_jax.decode_loop import LoopConfig, decode, start
+from longspec_jax.decode_loop import LoopConfig, decode, start, started
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.model import init_cache
@@ -111,7 +111,7 @@ def loop_state(target, params, proposer_params, *, context, batch, config, slack
     last_logits = jnp.zeros((batch, target.config.vocab_size), jnp.float32)
     args = (params, proposer_params, cache, prompt, lengths, last_logits, sampling, jax.random.key(0), stop)
     run_start, _ = compiled(start, *args, config=config)
-    return run_start(*args)
+    return started(run_start, *args)
 
 
 def traced(trace_dir: Path | None, label: str, run, make, steps: int, top: int = 25) -> None:

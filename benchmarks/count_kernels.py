@@ -35,7 +35,7 @@ from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op
 from infer.generate import parse_tree_widths
 from longspec_jax.adaptive import adaptive_proposer, candidate_plan
 from longspec_jax.decode_kit import StopRule, plan_lengths
-from longspec_jax.decode_loop import LoopConfig, decode, start
+from longspec_jax.decode_loop import LoopConfig, decode, start, started
 from longspec_jax.draft_io import init_draft
 from longspec_jax.model import SMALL_ROWS, init_cache, small_rows_for
 from longspec_jax.model_shapes import MODEL_SHAPES
@@ -118,7 +118,7 @@ def loop_program(
         jax.random.key(0),
         stop,
     )
-    state = jax.eval_shape(functools.partial(start, config=config), *start_args)
+    state = started(functools.partial(jax.eval_shape, functools.partial(start, config=config)), *start_args)
     args = (params, proposer_params, state, jnp.asarray(0, jnp.int32), sampling)
     # The Pallas kernels run in the interpreter off GPU; compiled for a GPU they must be Triton, and
     # Pallas reads the chip's kind from the default device.

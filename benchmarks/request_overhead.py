@@ -17,7 +17,8 @@ request costs besides its rounds is mostly such host work.
 Part 2: the host time a call spends flattening the target's parameters (Generator passes them as
 plain nested dicts: an nnx.State's Variable nodes flatten through Python, ~1-2 us an array); and,
 random weights only, one compiled call with many argument leaves (weights, a donated cache, a while
-loop of a few tiny rounds), to see what the number of buffers a call passes costs.
+loop of a few tiny rounds), to see what the number of buffers a call passes costs, and the same
+cache read but not donated, as the loop's start program now takes it.
 
     python -m benchmarks.request_overhead [--shape smollm2_135m] [--prompt-tokens 2500]
     python -m benchmarks.request_overhead --target SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -161,25 +162,33 @@ def per_request(
     }
 
 
-def per_call(weight_leaves: int, cache_leaves: int, rounds: int, repeats: int = 50) -> float:
+def per_call(
+    weight_leaves: int, cache_leaves: int, rounds: int, repeats: int = 50, *, read_only: bool = False
+) -> float:
     """Median ms of one call of a while loop of `rounds` tiny rounds that takes `weight_leaves`
-    small weight arrays and donates `cache_leaves` cache-shaped arrays."""
+    small weight arrays and donates `cache_leaves` cache-shaped arrays, writing a row of each and
+    returning them (read_only: reads a row of each, returns one scalar, donates nothing, as the
+    loop's start program treats the target's cache)."""
     weights = [jnp.full((576, 576), 0.001, jnp.bfloat16) for _ in range(weight_leaves)]
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @functools.partial(jax.jit, donate_argnums=() if read_only else (1,))
     def loop(weights, cache, n):
         def body(s):
-            i, cache = s
-            return i + 1, [c.at[0, i, 0, 0].set(weights[0].reshape(-1)[0]) for c in cache]
+            i, cache, total = s
+            if read_only:
+                return i + 1, cache, total + sum(c[0, i, 0, 0].astype(jnp.float32) for c in cache)
+            return i + 1, [c.at[0, i, 0, 0].set(weights[0].reshape(-1)[0]) for c in cache], total
 
-        return jax.lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(0), cache))[1]
+        _, cache, total = jax.lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(0), cache, jnp.float32(0)))
+        return total if read_only else cache
 
     cache = [jnp.zeros((1, 4096, 3, 64), jnp.bfloat16) for _ in range(cache_leaves)]
     n = jnp.int32(rounds)
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        cache = jax.block_until_ready(loop(weights, cache, n))
+        out = jax.block_until_ready(loop(weights, cache, n))
+        cache = cache if read_only else out
         seconds.append(time.perf_counter() - start)
     return 1e3 * statistics.median(seconds[repeats // 10 :])
 
@@ -230,9 +239,15 @@ def main(argv=None) -> dict:
         if args.small:
             from benchmarks.decode_kernels import SMALL_CONFIG
 
-            args.prompt_tokens, calls = 100, ((4, 4, 0), (4, 4, 1))
+            args.prompt_tokens, calls = 100, ((4, 4, 0, False), (4, 4, 1, False), (4, 4, 1, True))
         else:
-            calls = ((270, 60, 0), (270, 60, 1), (1, 60, 1), (270, 2, 1))
+            calls = (
+                (270, 60, 0, False),
+                (270, 60, 1, False),
+                (1, 60, 1, False),
+                (270, 2, 1, False),
+                (270, 60, 1, True),
+            )
         target = random_target(SMALL_CONFIG if args.small else MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
         draft = init_draft(target, seed=1).cast(jnp.bfloat16)
         shape = f"{'small' if args.small else args.shape}, random weights"
@@ -283,10 +298,13 @@ def main(argv=None) -> dict:
         + ", ".join(f"{kind} {ms:.3f} ms" for kind, ms in report["flatten_ms"].items()),
         flush=True,
     )
-    for weights, cache, rounds in calls:
-        ms = per_call(weights, cache, rounds)
-        report["calls"].append({"weights": weights, "cache": cache, "rounds": rounds, "ms": ms})
-        print(f"one call, {weights} weight and {cache} cache arguments, {rounds} rounds: {ms:.3f} ms", flush=True)
+    for weights, cache, rounds, read_only in calls:
+        ms = per_call(weights, cache, rounds, read_only=read_only)
+        report["calls"].append({"weights": weights, "cache": cache, "rounds": rounds, "read_only": read_only, "ms": ms})
+        how = "read, not donated" if read_only else "donated and returned"
+        print(
+            f"one call, {weights} weight and {cache} cache arguments ({how}), {rounds} rounds: {ms:.3f} ms", flush=True
+        )
     return report
 
 

@@ -245,7 +245,7 @@ def run_round(
 # ----------------------------------------------------------------------------- jitted programs
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def start(
     params,
     proposer_params,
@@ -260,8 +260,11 @@ def start(
     *,
     config: LoopConfig,
 ) -> LoopState:
-    """The loop's initial state from the prefill: the first token picked from its logits
-    float32[B, V], and the proposer's state filled from the prompts (int32[B, prompt bucket]).
+    """The loop's initial state from the prefill, all but its cache (`started` puts that in): the
+    first token picked from its logits float32[B, V], and the proposer's state filled from the
+    prompts (int32[B, prompt bucket]). The cache is read here (a proposer's init may read it),
+    neither changed nor returned: passed through, it would be donated to this call and come back
+    from it array by array (60 arrays for SmolLM2), host work at each end of every request's call.
     policy_setup float32[4, K] (an adaptive proposer's): each candidate's seconds per round and what
     earlier requests kept (tokens per round, NaN where none; retry wait; rounds of evidence), set
     into the policy here (policy.with_costs_and_memory) rather than by a call of its own before the
@@ -275,7 +278,7 @@ def start(
         policy = with_costs_and_memory(proposal.policy, seconds, tokens, wait.astype(jnp.int32), rounds)
         proposal = proposal.replace(policy=policy)
     return LoopState(
-        cache=cache,
+        cache=None,
         proposal=proposal,
         roots=first,
         out=jnp.zeros((b, config.new_bucket + config.depth + 1), jnp.int32).at[:, 0].set(first),
@@ -286,6 +289,12 @@ def start(
         active_rounds=jnp.zeros((b,), jnp.int32),
         stop=stop,
     )
+
+
+def started(run_start, *start_args) -> LoopState:
+    """The loop's initial state: `start` (or its compiled program run_start) on start_args, with
+    the cache they hold put in on the host. Works on shapes too (jax.eval_shape's run_start)."""
+    return run_start(*start_args).replace(cache=start_args[2])
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))

@@ -67,7 +67,7 @@ from longspec_jax.decode_kit import (
     prompt_batch,
     timed,
 )
-from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start
+from longspec_jax.decode_loop import LoopConfig, LoopState, decode, start, started
 from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import GenerationInterrupted, UserError
 from longspec_jax.proposers import check_lookup_tokens, proposer_for
@@ -335,7 +335,13 @@ class Generator:
             return dataclasses.replace(self._programs[key], compile_s=0.0)
         config = LoopConfig(self.graphdef, proposer, new_bucket, self.attn_impl)
         run_start, c1 = compiled(start, *start_args, config=config)
-        state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args)
+        cache_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), start_args[2])
+        state_shape = started(
+            functools.partial(jax.eval_shape, functools.partial(start, config=config)),
+            *start_args[:2],
+            cache_shape,
+            *start_args[3:],
+        )
         rounds_limit = jnp.asarray(0, jnp.int32)
         policy_picks = jnp.asarray(-1, jnp.int32)  # adaptive: the policy picks each round's candidate
         sampling = start_args[6]
@@ -429,7 +435,7 @@ class Generator:
                 if seconds is not None:
                     setup, remembered = policy_setup(proposer.names, memory, sampled, seconds)
                     calibration = "kept"
-            state = programs.start(*start_args[:-1], setup)
+            state = started(programs.start, *start_args[:-1], setup)
             rounds = 0  # the host reads the state only after a loop call: no sync before the loop
             if adaptive and seconds is None:  # measured now, on the first rounds, then set
                 state, seconds, calibration = calibrated(state, run, proposer.names, programs.calibration_key)
@@ -439,10 +445,10 @@ class Generator:
                 jax.block_until_ready(state)
                 runs.append(("start", rounds, time.perf_counter() - t0))
             while progress is None or not progress.done.all():
-                started = time.perf_counter()
+                called = time.perf_counter()
                 state = run(state, rounds + chunk)
                 progress = _Progress.read(state)
-                runs.append(("loop", progress.rounds - rounds, time.perf_counter() - started))
+                runs.append(("loop", progress.rounds - rounds, time.perf_counter() - called))
                 rounds = progress.rounds
                 if request.stream is not None:
                     chunk = stream_rounds(request.stream_every, progress.emitted / max(progress.active_rounds, 1))

@@ -24,7 +24,8 @@ def test_small_run_reports_every_mode_and_the_call_costs(capsys):
     auto = next(r for r in report["requests"] if r["mode"] == "auto")
     assert set(auto["calibrated_ms"]) == set(dict(candidate_plan(True, True, 1)))  # greedy, batch 1, a draft
     assert all(v > 0 for v in auto["calibrated_ms"].values())
-    assert [c["rounds"] for c in report["calls"]] == [0, 1] and all(c["ms"] > 0 for c in report["calls"])
+    assert [(c["rounds"], c["read_only"]) for c in report["calls"]] == [(0, False), (1, False), (1, True)]
+    assert all(c["ms"] > 0 for c in report["calls"])
     assert "ms a round" in out and "one call" in out and "flattening the target's" in out
     assert set(report["flatten_ms"]) == {"nnx.State", "plain dicts"} and all(
         v > 0 for v in report["flatten_ms"].values()

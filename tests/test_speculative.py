@@ -17,7 +17,7 @@ from flax import nnx
 from scipy import stats
 
 from longspec_jax.decode_kit import SMALL_BUCKETS_UP_TO, StopRule, cache_bytes, compiled, prefill
-from longspec_jax.decode_loop import LoopConfig, decode, propose, start
+from longspec_jax.decode_loop import LoopConfig, decode, propose, start, started
 from longspec_jax.draft import DraftConfig, candidates_from_logits, draft_hidden
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
@@ -231,8 +231,8 @@ def test_draft_cache_bytes_do_not_depend_on_prompt_length(target, draft, random_
     def state_bytes(prompt_len):
         bucket = -(-prompt_len // SMALL_BUCKETS_UP_TO) * SMALL_BUCKETS_UP_TO
         cache = jax.eval_shape(lambda: init_cache(target.config, 2, bucket + MAX_NEW + 13, jnp.float32))
-        state = jax.eval_shape(
-            functools.partial(start, config=config),
+        state = started(
+            functools.partial(jax.eval_shape, functools.partial(start, config=config)),
             params,
             draft_params,
             cache,
@@ -355,9 +355,9 @@ def test_bad_inputs_raise_user_errors(target):
 # --- the draft's wiring inside a round -----------------------------------------------------------
 
 
-def loop_start(target, prompts, draft):
-    """The loop's initial greedy state after prefill of `prompts` (bucket 16), with the programs
-    `generate` compiled for `random_draft_result` (same shapes and statics)."""
+def loop_start_args(target, prompts, draft):
+    """(the loop's config, `start`'s arguments: the greedy state after prefill of `prompts`, bucket
+    16), with the programs `generate` compiled for `random_draft_result` (same shapes and statics)."""
     graphdef, params = nnx.split(target.model)
     config, draft_params = loop_config(target, draft)
     tokens = np.zeros((2, 16), np.int32)
@@ -368,19 +368,29 @@ def loop_start(target, prompts, draft):
         prefill, params, tokens, lengths, graphdef=graphdef, max_len=16 + MAX_NEW + 13, attn_impl="xla"
     )
     last_logits, cache = run_prefill(params, tokens, lengths)
-    start_args = (
-        params,
-        draft_params,
-        cache,
-        tokens,
-        lengths,
-        last_logits,
-        SamplingParams.create(),
-        jax.random.key(0),
-        StopRule.create((), MAX_NEW),
-    )
+    sampling, key, stop = SamplingParams.create(), jax.random.key(0), StopRule.create((), MAX_NEW)
+    return config, (params, draft_params, cache, tokens, lengths, last_logits, sampling, key, stop)
+
+
+def loop_start(target, prompts, draft):
+    """The loop's initial greedy state after prefill of `prompts` (`loop_start_args`)."""
+    config, start_args = loop_start_args(target, prompts, draft)
     run_start, _ = compiled(start, *start_args, config=config)
-    return run_start(*start_args)
+    return started(run_start, *start_args)
+
+
+def test_start_reads_the_cache_and_leaves_it_to_the_loop(target, prompts, draft):
+    """`start` neither donates nor returns the target's cache (each array it passed through cost a
+    request host work at both ends of the call): its state comes back without one, the cache it
+    read is still alive, and `started` puts that same cache into the state the loop then takes."""
+    config, start_args = loop_start_args(target, prompts, draft)
+    run_start, _ = compiled(start, *start_args, config=config)
+    cache = start_args[2]
+    bare = run_start(*start_args)
+    assert bare.cache is None and bare.proposal is not None
+    assert not any(x.is_deleted() for x in jax.tree.leaves(cache))
+    state = started(run_start, *start_args)
+    assert state.cache is cache and int(state.n_new[0]) == 1
 
 
 def loop_config(target, draft):
