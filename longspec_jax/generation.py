@@ -335,13 +335,9 @@ class Generator:
             return dataclasses.replace(self._programs[key], compile_s=0.0)
         config = LoopConfig(self.graphdef, proposer, new_bucket, self.attn_impl)
         run_start, c1 = compiled(start, *start_args, config=config)
+        # The state's shapes, the cache's as shapes too (its arrays would stay alive in this cache).
         cache_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), start_args[2])
-        state_shape = started(
-            functools.partial(jax.eval_shape, functools.partial(start, config=config)),
-            *start_args[:2],
-            cache_shape,
-            *start_args[3:],
-        )
+        state_shape = jax.eval_shape(functools.partial(start, config=config), *start_args).replace(cache=cache_shape)
         rounds_limit = jnp.asarray(0, jnp.int32)
         policy_picks = jnp.asarray(-1, jnp.int32)  # adaptive: the policy picks each round's candidate
         sampling = start_args[6]
