@@ -50,6 +50,16 @@ INIT_STD = 0.02
 # 0.398); at 4 rows the two tie and from 8 rows on the GEMMs win (BENCHMARKS.md, products by row
 # count). On a CPU the reduction is twice as slow as the dot at any row count, so it is GPU-only.
 SMALL_ROWS = (2, 3)
+# A product with a folded norm (`PackedLinear`) scales its float32 output rows instead of its input
+# from SCALE_AFTER_ROWS rows on, where its input has at most SCALE_AFTER_MAX_WIDTH features. There,
+# a verified block's q|k|v and gate|up products are split-K GEMMs whose reduction kernel takes the
+# scale along: SmolLM2's 64-row round runs one kernel a layer fewer (compiled for the H200: 533 ->
+# 503 for the default tree), 1.5 % faster on an H100. An AR step's 1-8 rows have no such kernel and
+# normalise first (scaling after added one a layer at batch 4: 298 -> 342 kernels). At 7B widths the
+# round is bound by bytes, and the float32 outputs cost more than a kernel: scaling after made
+# the verify 2-3 % slower on an H100 (BENCHMARKS.md, "Norms folded into the products").
+SCALE_AFTER_ROWS = 16
+SCALE_AFTER_MAX_WIDTH = 1024
 
 
 def small_rows_for(platform: str) -> tuple[int, ...]:
@@ -151,11 +161,20 @@ class PackedLinear(nnx.Module):
     training layout [in, out] it wrote and re-read a weight-sized temporary (BENCHMARKS.md,
     one-token matrix-vector products). `parts(x)` returns each Linear's output, in order.
     small_rows: the row counts (all dimensions of x but the last, multiplied) whose product is
-    written as an elementwise product and a float32 sum over the input (`SMALL_ROWS` on a GPU)."""
+    written as an elementwise product and a float32 sum over the input (`SMALL_ROWS` on a GPU).
 
-    def __init__(self, parts: Sequence[Linear], small_rows: Sequence[int] = ()):
+    norm: the RMSNorm before these products, folded in: its weight multiplies the matrix's input
+    columns once, here, and a call takes the un-normalised x. Its statistics (float32) then scale
+    either x before the product or the product's float32 rows after it (`SCALE_AFTER_ROWS`); both
+    equal norm-then-product up to rounding, since rsqrt(mean(x^2)) is one number per row."""
+
+    def __init__(self, parts: Sequence[Linear], small_rows: Sequence[int] = (), norm: RMSNorm | None = None):
         self.small_rows = tuple(small_rows)
-        self.weight = nnx.Param(jnp.concatenate([p.kernel[...].T for p in parts], axis=0))
+        weight = jnp.concatenate([p.kernel[...].T for p in parts], axis=0)
+        if norm is not None:
+            weight = weight * norm.weight[...].astype(weight.dtype)[None, :]  # one rounding of each product
+        self.weight = nnx.Param(weight)
+        self.eps = None if norm is None else norm.eps
         self.bias = None if parts[0].bias is None else nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
         ends = [0]
         for p in parts:
@@ -164,11 +183,28 @@ class PackedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        if math.prod(x.shape[:-1]) in self.small_rows:
-            y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(x.dtype)
+        rows = math.prod(x.shape[:-1])
+        scale = None
+        if self.eps is not None:
+            x32 = x.astype(jnp.float32)
+            scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            if rows < SCALE_AFTER_ROWS or x.shape[-1] > SCALE_AFTER_MAX_WIDTH:
+                x, scale = (x32 * scale).astype(x.dtype), None
+        out = x.dtype if scale is None else jnp.float32
+        if rows in self.small_rows:
+            y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(out)
         else:
-            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+            y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out)
+        if scale is not None:
+            y = (y * scale).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+    def folded_norm(self) -> dict:
+        """`fused_linear`'s prologue arguments for this product's folded norm: its statistics, with a
+        weight of ones (the norm's own weight is in the matrix)."""
+        if self.eps is None:
+            raise ValueError("this product has no norm folded into it")
+        return dict(norm_weight=jnp.ones((self.weight.shape[1],), self.weight.dtype), eps=self.eps)
 
     def parts(self, x: jax.Array) -> list[jax.Array]:
         return jnp.split(self(x), self.split_at, axis=-1)
@@ -219,8 +255,8 @@ class SelfAttentionProjections(nnx.Module):
 class PackedAttentionProjections(nnx.Module):
     """`SelfAttentionProjections` with q/k/v as one `PackedLinear` (inference layout)."""
 
-    def __init__(self, attn: SelfAttentionProjections, small_rows: Sequence[int] = ()):
-        self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], small_rows)
+    def __init__(self, attn: SelfAttentionProjections, small_rows: Sequence[int] = (), norm: RMSNorm | None = None):
+        self.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], small_rows, norm)
         self.o_proj = PackedLinear([attn.o_proj], small_rows)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
 
@@ -258,8 +294,8 @@ class MLP(nnx.Module):
 class PackedMLP(nnx.Module):
     """`MLP` with gate and up as one `PackedLinear` (inference layout)."""
 
-    def __init__(self, mlp: MLP, small_rows: Sequence[int] = ()):
-        self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj], small_rows)
+    def __init__(self, mlp: MLP, small_rows: Sequence[int] = (), norm: RMSNorm | None = None):
+        self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj], small_rows, norm)
         self.down_proj = PackedLinear([mlp.down_proj], small_rows)
 
     def __call__(self, x):
@@ -278,17 +314,17 @@ class DecoderLayer(nnx.Module):
 
     def qkv(self, x, rope: Rope):
         """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
-        return self.self_attn.qkv(self.input_layernorm(x), rope)
+        return self.self_attn.qkv(_normed(self.input_layernorm, x), rope)
 
     def qkv_product(self, x):
         """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D], for an attention that rotates them itself."""
-        return self.self_attn.qkv_product(self.input_layernorm(x))
+        return self.self_attn.qkv_product(_normed(self.input_layernorm, x))
 
     def finish(self, x, attn_out):
         """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
         b, t = x.shape[:2]
         x = x + self.self_attn.o_proj(attn_out.reshape(b, t, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(_normed(self.post_attention_layernorm, x))
 
     @property
     def packed(self) -> bool:
@@ -297,10 +333,8 @@ class DecoderLayer(nnx.Module):
     def fused_qkv_product(self, x):
         """`qkv_product` as one Pallas kernel, the norm in its prologue (packed layout only)."""
         b, t, h = x.shape
-        proj, norm = self.self_attn.qkv_proj, self.input_layernorm
-        y = fused_linear(
-            x.reshape(b * t, h), proj.weight[...], norm_weight=norm.weight[...], eps=norm.eps, bias=_value(proj.bias)
-        )
+        proj = self.self_attn.qkv_proj
+        y = fused_linear(x.reshape(b * t, h), proj.weight[...], **proj.folded_norm(), bias=_value(proj.bias))
         return y.reshape(b, t, -1)
 
     def fused_finish(self, x, attn_out):
@@ -311,11 +345,8 @@ class DecoderLayer(nnx.Module):
         b, t, h = x.shape
         rows = x.reshape(b * t, h)
         o_proj, gate_up, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
-        norm = self.post_attention_layernorm
         rows = fused_linear(attn_out.reshape(b * t, -1), o_proj.weight[...], residual=rows, bias=_value(o_proj.bias))
-        hidden = fused_linear(
-            rows, gate_up.weight[...], norm_weight=norm.weight[...], eps=norm.eps, bias=_value(gate_up.bias)
-        )
+        hidden = fused_linear(rows, gate_up.weight[...], **gate_up.folded_norm(), bias=_value(gate_up.bias))
         rows = fused_linear(hidden, down.weight[...], swiglu=True, residual=rows, bias=_value(down.bias))
         return rows.reshape(b, t, h)
 
@@ -348,15 +379,17 @@ class Transformer(nnx.Module):
     def inference_layout(self, small_rows: Sequence[int] = ()) -> Transformer:
         """This model with each layer's q/k/v and gate/up projections packed into one matrix each
         and every layer matrix stored [out, in] (`PackedLinear`, its products of `small_rows` rows
-        as multiply-reduce): the same function up to float rounding order, four matmuls per layer
-        instead of seven. Other
+        as multiply-reduce), the two norms of a layer folded into the packed products after them
+        (their layer attributes then None): the same function up to float rounding order, four
+        matmuls per layer instead of seven. Other
         parameters share their arrays with this model (no copy). For inference only: checkpoint
         writers and training use the unpacked layout. Packing a packed model returns it as is."""
         model = nnx.clone(self)
         for layer in model.layers:
             if isinstance(layer.self_attn, SelfAttentionProjections):
-                layer.self_attn = PackedAttentionProjections(layer.self_attn, small_rows)
-                layer.mlp = PackedMLP(layer.mlp, small_rows)
+                layer.self_attn = PackedAttentionProjections(layer.self_attn, small_rows, layer.input_layernorm)
+                layer.mlp = PackedMLP(layer.mlp, small_rows, layer.post_attention_layernorm)
+                layer.input_layernorm = layer.post_attention_layernorm = None
         return model
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -482,6 +515,11 @@ class Transformer(nnx.Module):
         q, k, v = last.qkv(x, self._rope(positions))
         out = last.finish(x, attention.prefill_attention(q, k, v, lengths, impl=_impl(attn_impl)))
         return k, v, self.norm(out)
+
+
+def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    """x under `norm`, or x itself where the norm is folded into the next product (None)."""
+    return x if norm is None else norm(x)
 
 
 def _value(param) -> jax.Array | None:

@@ -22,7 +22,9 @@ from longspec_jax.target import Target, random_target
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from tests.tiny_models import tiny_config
 
-ATOL = 1e-5
+# The packed layout sums in another order and folds each norm's weight into the product after it
+# (one float32 rounding of weight x norm weight): O(1) logits move by up to ~2e-5.
+ATOL = 3e-5
 MAX_LEN = 32
 
 

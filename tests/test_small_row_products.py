@@ -1,6 +1,7 @@
 """Products of 2-3 rows written as multiply-reduce (`PackedLinear.small_rows`, the GPU's inference
 layout): the same values as the dot, against a float64 reference; only those row counts take that
-path; and a model in that layout decodes exactly as the plain layout does (float32, greedy)."""
+path; and a model in that layout decodes exactly as the plain layout does (float32, greedy). A norm
+folded into the products gives norm-then-product, whichever side its scale is applied on."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 from flax import nnx
 
 from longspec_jax.generation import generate
-from longspec_jax.model import SMALL_ROWS, Linear, PackedLinear
+from longspec_jax.model import SCALE_AFTER_MAX_WIDTH, SCALE_AFTER_ROWS, SMALL_ROWS, Linear, PackedLinear, RMSNorm
 from longspec_jax.target import Target, random_target
 from tests.tiny_models import tiny_config
 
@@ -30,6 +31,29 @@ def test_every_row_count_equals_a_float64_reference(shape):
     bias = np.concatenate([np.asarray(p.bias[...], np.float64) for p in parts])
     expected = x.astype(np.float64) @ weight + bias
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x))), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d_in", [24, SCALE_AFTER_MAX_WIDTH + 8])
+@pytest.mark.parametrize("rows", [1, 3, 5, SCALE_AFTER_ROWS, 40])
+def test_a_folded_norm_equals_norm_then_product_in_float64(rows, d_in):
+    """Scaled before the product (few rows, or a wide input) or after it (many rows, a narrow one):
+    both the float64 RMSNorm (random weight, eps) then the product."""
+    rng = np.random.default_rng(rows + d_in)
+    parts = [Linear(d_in, d_out, bias=True, dtype=jnp.float32, rngs=nnx.Rngs(rows)) for d_out in (16, 8)]
+    norm = RMSNorm(d_in, 1e-5, dtype=jnp.float32)
+    norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, d_in), jnp.float32)
+    linear = PackedLinear(parts, SMALL_ROWS, norm)
+    x = rng.normal(scale=3.0, size=(1, rows, d_in)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5) * np.asarray(norm.weight[...], np.float64)
+    weight = np.concatenate([np.asarray(p.kernel[...], np.float64) for p in parts], axis=1)
+    bias = np.concatenate([np.asarray(p.bias[...], np.float64) for p in parts])
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x))), normed @ weight + bias, rtol=1e-4, atol=1e-4)
+    # Which side: after the product (a dot here, never the small rows' reduction) a multiply follows.
+    ops = [e.primitive.name for e in jax.make_jaxpr(linear)(jnp.asarray(x)).jaxpr.eqns]
+    product = max(i for i, op in enumerate(ops) if op in ("dot_general", "reduce_sum"))
+    scaled_after = "mul" in ops[product + 1 :]
+    assert scaled_after == (rows >= SCALE_AFTER_ROWS and d_in <= SCALE_AFTER_MAX_WIDTH)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
