@@ -21,11 +21,10 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 
 The hybrid splits the keys (docs/ALGORITHM.md 6): attention over the cache and over the new keys
 each give (o, lse), combined exactly. impl "pallas" does it all in the fused Pallas kernel (the new
-keys are one more split of its split-K grid) and a Pallas combine (the AR step's kernel, given the
-cache's counters, merges its partials itself); "cudnn" runs cuDNN flash over the cache and the
-Pallas `masked_attention` over the new keys, then `merge_attention`; "xla" does both sides as dense
-XLA attention (the CPU default). The kernels are tested against float64 references of one attention
-over the concatenated keys.
+keys are one more split of its split-K grid) and a Pallas combine; "cudnn" runs cuDNN flash over the
+cache and the Pallas `masked_attention` over the new keys, then `merge_attention`; "xla" does both
+sides as dense XLA attention (the CPU default). The kernels are tested against float64 references of
+one attention over the concatenated keys.
 
 Layouts: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; query head h reads KV head h // (Hq // Hkv)
 (HF's repeat_kv grouping). Softmax in float32; outputs in q.dtype; lse float32 [B, Hq, T].
@@ -420,7 +419,7 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
 
 
 def attend_and_write_block(
-    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None, sync=None
+    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
 ):
     """The attention of a block of new tokens (AR decoding's one token; under "pallas" a verified
     tree too), from the model's q|k|v product, their K/V written into the cache.
@@ -429,16 +428,12 @@ def attend_and_write_block(
     (cos, sin) at their positions. The rotated q attends cache rows [0, lengths[b]) of
     k_cache/v_cache [B,S,Hkv,D] plus the block's own keys where self_mask bool[B,T,T] is True, and
     the rotated k and v go to rows [lengths[b], lengths[b] + T) (the caller keeps lengths + T <= S).
-    Returns (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache, sync). T > 1 (a verified tree) needs
-    "pallas".
+    Returns (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache). T > 1 (a verified tree) needs "pallas".
 
     "pallas": one fused kernel rotates, attends and writes the rows (the caches are its outputs,
     aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
-    Given sync (int32 [B,Hkv] of zeros, `KVCache.sync`), a block of few query rows a KV head (the AR
-    step) is that kernel alone: it merges its partials itself, counting its finished programs in
-    sync, which it leaves all zeros (`hybrid_attention_and_write`). Otherwise, and under "xla" /
-    "cudnn", sync comes back as given. "xla" / "cudnn" (T = 1) split and rotate, write the row, then
-    attend rows [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
+    "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
+    [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")
     b, t, width = qkv.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
@@ -450,7 +445,7 @@ def attend_and_write_block(
     qkv = qkv.reshape(b, t, width // d, d)
     cos, sin = rope
     if impl == "pallas":
-        out = _kernel(
+        return _kernel(
             pallas_hybrid.hybrid_attention_and_write,
             qkv.astype(k_cache.dtype),
             cos.reshape(b, t, d // 2),
@@ -461,13 +456,10 @@ def attend_and_write_block(
             self_mask,
             num_heads=num_heads,
             scale=scale,
-            sync=sync,
         )
-        return out if sync is not None else (*out, None)
     # q and k rotated together: one elementwise op, the same result (the rotation is per head).
     qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
     k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
     v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
     visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
-    o = decode_attention(qk[:, :, :num_heads], k_cache, v_cache, visible, impl=impl, scale=scale)
-    return o, k_cache, v_cache, sync
+    return decode_attention(qk[:, :, :num_heads], k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

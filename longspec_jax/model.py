@@ -13,8 +13,7 @@ of a GEMM: `SMALL_ROWS`), and every forward computes
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
-(with the Pallas kernels, one kernel, which merges its split-K partials itself through the cache's
-`sync` counters: no cache-write or combine kernels). A larger block (tree
+(with the Pallas kernels, one kernel and its combine: no cache-write kernels). A larger block (tree
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
@@ -74,16 +73,11 @@ Rope = tuple[jax.Array, jax.Array]  # (cos, sin) of `rope.rope_tables`, shared b
 @struct.dataclass
 class KVCache:
     """Static KV cache. k, v: one `[B, S_max, Hkv, D]` array per layer (k after RoPE);
-    lengths: int32[B], the tokens held per sequence (rows past it hold anything).
-
-    sync: int32 `[B, Hkv]`, all zeros between kernels: the AR step's Pallas attention kernels count
-    their finished programs in it, the last of a KV head's merging the partials (no combine kernel),
-    and leave it zeros. None (a cache built without it): those steps run the combine kernel."""
+    lengths: int32[B], the tokens held per sequence (rows past it hold anything)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
-    sync: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
@@ -106,15 +100,10 @@ class BlockKV:
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    """An empty cache of `max_len` rows (static) per sequence, its `sync` counters zeros."""
+    """An empty cache of `max_len` rows (static) per sequence."""
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
     per_layer = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return KVCache(
-        k=per_layer(),
-        v=per_layer(),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        sync=jnp.zeros((batch, config.num_kv_heads), jnp.int32),
-    )
+    return KVCache(k=per_layer(), v=per_layer(), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def commit(cache: KVCache, block: BlockKV, path: jax.Array, n_accept: jax.Array, *, impl: str = "xla") -> KVCache:
@@ -467,8 +456,7 @@ class Transformer(nnx.Module):
         T = 1 (AR decoding, lengths < S_max) writes its row at lengths[b] of every layer
         (committing it is lengths += 1) and, with one_token_attention, attends and writes in one
         call (`attention.attend_and_write_block`: with impl "pallas" one kernel that also
-        stores the row and, given the cache's `sync`, merges its partials itself: each layer's kernel
-        takes the counters the previous one returned)."""
+        stores the row)."""
         impl = _impl(attn_impl)
         rope = self._rope(positions)
         x = self.embed_tokens(tokens)
@@ -476,12 +464,11 @@ class Transformer(nnx.Module):
         one_token = one_row and self.one_token_attention
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
-        sync = cache.sync
         fused = self.fused_projections and impl == "pallas" and (block_in_cache or one_token)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             fused_layer = fused and layer.packed
             if one_token or block_in_cache:
-                o, k_cache, v_cache, layer_sync = attention.attend_and_write_block(
+                o, k_cache, v_cache = attention.attend_and_write_block(
                     layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x),
                     rope,
                     k_cache,
@@ -490,12 +477,10 @@ class Transformer(nnx.Module):
                     block_mask,
                     num_heads=self.config.num_heads,
                     impl=impl,
-                    sync=sync if one_token else None,
                 )
                 if one_token:  # the row as written (AR decoding never reads it: XLA drops this then)
                     block_k.append(_cache_row(k_cache, cache.lengths))
                     block_v.append(_cache_row(v_cache, cache.lengths))
-                    sync = layer_sync
             else:
                 q, k, v = layer.qkv(x, rope)
                 if one_row:
@@ -509,7 +494,7 @@ class Transformer(nnx.Module):
             x = layer.fused_finish(x, o) if fused_layer else layer.finish(x, o)
             cache_k.append(k_cache)
             cache_v.append(v_cache)
-        cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v), sync=sync)
+        cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
         block = BlockKV(k=None, v=None) if block_in_cache else BlockKV(k=tuple(block_k), v=tuple(block_v))
         return self.lm_logits(self.norm(x)), cache, block
 

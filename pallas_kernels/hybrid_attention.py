@@ -1,6 +1,5 @@
-"""Hybrid tree attention in two kernels (AR decoding's step in one): T queries against the cache
-keys [0, cache_len[b]) (no mask) and the N new keys under a mask, as one attention over both key
-sets.
+"""Hybrid tree attention in two kernels: T queries against the cache keys [0, cache_len[b]) (no
+mask) and the N new keys under a mask, as one attention over both key sets.
 
 The split-K cache kernel (cache_attention) already writes partial results that a combine kernel
 merges; the new keys become one more partial. Grid (B, Hkv, row blocks, num_splits + 1): the program
@@ -24,17 +23,9 @@ kernel, the merge and the transposes around them.
 un-rotated q|k|v product and RoPE's cos/sin rows, rotates q and the new keys as it loads them, and
 writes the new keys into the caches at rows [cache_len[b], cache_len[b] + N), the caches being
 outputs aliased to the inputs. The step then needs no slice, rotation or cache-write kernels of
-its own. No program reads cache rows another writes: the cache slices end at row cache_len[b] (masked
+its own. No program reads what another writes: the cache slices end at row cache_len[b] (masked
 loads past it touch no memory), and only the new-keys program of row block 0 stores, the tiles it
 has just loaded to attend.
-
-Given the counters `sync` (int32 [B, Hkv], zeros, aliased to an output), a step whose rows a KV
-head fit one small block (T x G <= MERGE_IN_KERNEL_MAX_ROWS: the AR step) merges in the same kernel,
-with no combine kernel after it ("last program merges", as CUDA's threadFenceReduction sample): each
-program writes its partial, passes a barrier and adds 1 to its (batch, KV head)'s counter (an
-acq_rel atomic at GPU scope), empty splits too; the one that finds num_splits there, the group's
-last, merges the group's partials as split_combine does (volatile loads, past L1), writes o in q's
-layout and takes num_splits + 1 off the counter, leaving it 0 for the next kernel.
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cache_attention as split
 from pallas_kernels import flash_block as fb
-from pallas_kernels.split_combine import combine_splits, merge_block_rows, merge_partials, parts_per_chunk
+from pallas_kernels.split_combine import combine_splits
 
 
 def _load_rotated(ref, tokens, heads, cos_ref, sin_ref, ok):
@@ -90,19 +81,14 @@ def _hybrid_kernel(
     num_new,
     num_splits,
     packed_heads,
-    merge_chunk,
-    interpret,
 ):
-    """One row block of one (batch, KV head) against one cache slice, or (split index 0) against
-    the new keys.
+    """One row block of one (batch, KV head) against one cache slice, or (the last split index)
+    against the new keys.
 
-    Plain: refs = (k_new, v_new [N, D], mask [T, N], o_parts, lse_parts). Packed (packed_heads =
-    (Hq, Hkv)): q_ref is the q|k|v product [T, Hq + 2 Hkv, D] before RoPE, refs = (cos, sin
-    [T, D/2], mask, o_parts, lse_parts, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's
-    new-keys program stores the rotated new keys and their values at rows [cache_len, cache_len + N).
-    merge_chunk (packed, one row block; else None): refs also hold the counters sync [B, Hkv] after
-    mask and, at their end, o [T, Hq, D] and sync's output (aliased); the group's last program to
-    finish merges its partials, merge_chunk at a time, into o."""
+    Plain: refs = (k_new, v_new [N, D], mask [T, N], o, lse). Packed (packed_heads = (Hq, Hkv)):
+    q_ref is the q|k|v product [T, Hq + 2 Hkv, D] before RoPE, refs = (cos, sin [T, D/2], mask,
+    o, lse, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's new-keys program stores the
+    rotated new keys and their values at rows [cache_len, cache_len + N)."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
     new_keys = pl.program_id(3) == 0
     # The new keys' program runs past every cache slice: its cache loop folds nothing.
@@ -115,17 +101,14 @@ def _hybrid_kernel(
     used = plan[2]
     rows_active = row_ok & (new_keys | (cache_split < used))
     if packed_heads:
-        cos_ref, sin_ref, mask_ref, *refs = refs
-        if merge_chunk:
-            refs = refs[1:]  # the counters' input: they are read and written through the output
-        o_ref, lse_ref, k_out_ref, v_out_ref, *merged_refs = refs
+        cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
         q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
         num_heads, num_kv_heads = packed_heads
     else:
         k_new_ref, v_new_ref, mask_ref, o_ref, lse_ref = refs
         q = fb.load_query_rows(q_ref, query, head, rows_active)
-    # Program ids are read outside loops and branches: the interpreter has none inside one.
-    batch, kv_head = pl.program_id(0), pl.program_id(1)
+    # Program ids are read outside the loop: the interpreter has none inside one.
+    kv_head = pl.program_id(1)
     writes = pl.program_id(2) == 0
     state = fb.empty_state(block_rows, q.shape[-1])
     state = split.fold_cache_split(state, q, k_ref, v_ref, length, cache_split, plan, block_keys, scale)
@@ -155,7 +138,7 @@ def _hybrid_kernel(
         if packed_heads:
             # Rows past the capacity are dropped, never written out of bounds.
             store_ok = key_ok & writes & (length + keys < k_ref.shape[0])
-            for out_ref, rows in zip((k_out_ref, v_out_ref), (k, v)):
+            for out_ref, rows in zip(cache_out_refs, (k, v)):
                 plgpu.store(out_ref.at[pl.ds(length + key0, new_block_keys), :], rows, mask=store_ok[:, None])
         return fb.online_softmax_step(state, q, k, v, allowed != 0, scale)
 
@@ -169,26 +152,6 @@ def _hybrid_kernel(
 
     state = lax.cond(new_keys, fold_new_keys, lambda state: state, state)
     fb.store_partial(o_ref, lse_ref, jnp.where(new_keys, used, cache_split), row0, rows_active, state)
-    if not merge_chunk:
-        return
-    out_ref, sync_ref = merged_refs
-    _, merge_row_ok, merge_query, merge_head = fb.query_rows(merge_block_rows(num_rows), num_rows, group)
-    # Every thread's stores above come before the count: the barrier orders them within the
-    # program, the atomic's release (acq_rel, GPU scope) publishes them to the program that counts
-    # last, whose acquire orders its loads below after every other program's stores. (The
-    # interpreter runs one program at a time and has no barrier.)
-    if not interpret:
-        plgpu.debug_barrier()
-    finished_before = plgpu.atomic_add(sync_ref, (batch, kv_head), jnp.int32(1))
-
-    @pl.when(finished_before == num_splits)
-    def _merge():
-        # Volatile loads, not served from this SM's L1, which other SMs' stores do not update. (JAX's
-        # lowering refuses cache_modifier=".cg": it checks ".cg", then looks up "cg".)
-        o, _ = merge_partials(o_ref, lse_ref, used + 1, 0, merge_row_ok, merge_chunk, volatile=True)
-        fb.store_query_rows(out_ref, merge_query, merge_head, merge_row_ok, o)
-        # Back to 0 for the next kernel (the interpreter has no atomic exchange).
-        plgpu.atomic_add(sync_ref, (batch, kv_head), jnp.int32(-(num_splits + 1)))
 
 
 @functools.partial(
@@ -212,7 +175,6 @@ def _hybrid_attention(
     new_a,
     new_b,
     mask,
-    sync=None,
     *,
     scale,
     interpret,
@@ -225,9 +187,7 @@ def _hybrid_attention(
 ):
     """Plain: q [B,T,Hq,D], (new_a, new_b) = (k_new, v_new) -> o. Packed (packed_heads = (Hq, Hkv)):
     q is the q|k|v product [B,T,Hq + 2 Hkv,D] before RoPE, (new_a, new_b) = (cos, sin) [B,T,D/2]
-    -> (o, k_cache, v_cache), and with sync (the counters, int32 [B,Hkv] of zeros) given
-    (o, k_cache, v_cache, sync): the kernel merges its partials itself where a KV head's rows are
-    few (MERGE_IN_KERNEL_MAX_ROWS), else sync comes back as it went in."""
+    -> (o, k_cache, v_cache)."""
     b, t, _, d = q.shape
     hkv = k_cache.shape[2]
     if packed_heads:
@@ -237,8 +197,6 @@ def _hybrid_attention(
     group, rows, block_rows, row_blocks, num_splits = split.split_grid(
         queries, k_cache, block_rows, block_keys, num_splits, extra_parts=1
     )
-    merge_in_kernel = sync is not None and row_blocks == 1 and rows <= MERGE_IN_KERNEL_MAX_ROWS
-    merge_chunk = parts_per_chunk(num_splits + 1, merge_block_rows(rows), d) if merge_in_kernel else None
     kernel = functools.partial(
         _hybrid_kernel,
         scale=scale,
@@ -250,8 +208,6 @@ def _hybrid_attention(
         num_new=n,
         num_splits=num_splits,
         packed_heads=packed_heads,
-        merge_chunk=merge_chunk,
-        interpret=interpret,
     )
     mask_int8 = mask.astype(jnp.int8)  # Triton has no byte-addressable bool pointers
     lengths = split.valid_lengths(cache_len, k_cache)
@@ -267,16 +223,7 @@ def _hybrid_attention(
     else:
         in_specs += [pl.BlockSpec((None, n, None, d), lambda i, h, r, j: (i, 0, h, 0))] * 2
     in_specs.append(pl.BlockSpec((None, t, n), lambda i, h, r, j: (i, 0, 0)))
-    inputs = [lengths, q, k_cache, v_cache, new_a, new_b, mask_int8]
-    if merge_in_kernel:
-        # Input 7 (the counters, whole: a program indexes them by its batch and KV head) is output 5.
-        sync_spec = pl.BlockSpec((b, hkv), lambda i, h, r, j: (0, 0))
-        in_specs.append(sync_spec)
-        out_specs += [pl.BlockSpec((None, t, packed_heads[0], d), lambda i, h, r, j: (i, 0, 0, 0)), sync_spec]
-        out_shape += [queries, jax.ShapeDtypeStruct((b, hkv), jnp.int32)]
-        aliases[7] = 5
-        inputs.append(sync)
-    o_parts, lse_parts, *outs = pl.pallas_call(
+    o_parts, lse_parts, *caches = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits + 1),
         in_specs=in_specs,
@@ -286,17 +233,12 @@ def _hybrid_attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
-    )(*inputs)
-    if merge_in_kernel:
-        k_cache, v_cache, o, sync = outs
-        return o, k_cache, v_cache, sync
+    )(lengths, q, k_cache, v_cache, new_a, new_b, mask_int8)
     _, _, used = split.split_plan(lengths, num_splits, block_keys)
     o, _ = combine_splits(
         o_parts, lse_parts, used + 1, num_queries=t, out_dtype=q.dtype, with_lse=False, interpret=interpret
     )
-    if not packed_heads:
-        return o
-    return (o, *outs) if sync is None else (o, *outs, sync)
+    return (o, *caches) if packed_heads else o
 
 
 def _check_mask_and_lengths(mask, cache_len, b, t, n):
@@ -374,10 +316,6 @@ SMALL_BLOCK_MAX_ROWS = 128
 # GQA: a half-empty tile), 137 against 164 at Llama-3-8B's (256 rows a KV head); 8 warps on 64 rows
 # took 217-230. The AR step's 1-4 rows (a 16-row tile) ran 1-2 % faster on 4 warps than on 8.
 WIDE_HEAD_BLOCK_ROWS = 64
-# Query rows a KV head (tokens x GQA group) up to which the rotating kernel merges its own partials
-# when given the counters (AR decoding's step): one program per (batch, KV head) merges, so only few
-# rows, which fit one row block, leave the combine kernel out. A verified tree's rows keep it.
-MERGE_IN_KERNEL_MAX_ROWS = 16
 
 
 def _write_kernel_blocks(rows: int, head_dim: int) -> tuple[int, int]:
@@ -406,7 +344,6 @@ def hybrid_attention_and_write(
     num_splits=None,
     num_warps=None,
     num_stages=None,
-    sync=None,
 ):
     """A block whose new keys are its own tokens (AR decoding's one-token step), straight from the
     model's q|k|v product: qkv [B,T,Hq + 2 Hkv,D] (q heads, then k, then v; no RoPE yet, in the
@@ -417,12 +354,7 @@ def hybrid_attention_and_write(
     of the caches (rows past the capacity S are dropped; every other row stays as it was). Returns
     (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache); the caches are updated in place when the caller
     donates them (as a decode loop's carried state is). block_rows, num_warps and num_stages left
-    None are chosen for the shape (`_write_kernel_blocks`, `WRITE_KERNEL_STAGES`).
-
-    sync: int32 [B,Hkv] counters, all zeros. Given, the call returns (o, k_cache, v_cache, sync)
-    and, where T x G <= MERGE_IN_KERNEL_MAX_ROWS, is one kernel that merges its split-K partials
-    itself (the last of a KV head's programs to finish merges them), leaving sync all zeros again
-    (updated in place when donated); a larger block returns sync as given."""
+    None are chosen for the shape (`_write_kernel_blocks`, `WRITE_KERNEL_STAGES`)."""
     b, t, heads, d = qkv.shape
     hkv = k_cache.shape[2]
     queries = jax.ShapeDtypeStruct((b, t, num_heads, d), qkv.dtype)
@@ -435,10 +367,6 @@ def hybrid_attention_and_write(
     if cos.shape != (b, t, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"hybrid_attention_and_write: cos, sin must be [B,T,D/2] = {(b, t, d // 2)}, got {cos.shape}")
     _check_mask_and_lengths(mask, cache_len, b, t, t)
-    if sync is not None and (sync.shape != (b, hkv) or sync.dtype != jnp.int32):
-        raise ValueError(
-            f"hybrid_attention_and_write: sync must be int32[B,Hkv] = {(b, hkv)}, got {sync.dtype}{list(sync.shape)}"
-        )
     default_rows, default_warps = _write_kernel_blocks(t * (num_heads // hkv), d)
     return _hybrid_attention(
         qkv,
@@ -448,7 +376,6 @@ def hybrid_attention_and_write(
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
         mask,
-        sync,
         scale=float(d**-0.5 if scale is None else scale),
         interpret=fb.default_interpret() if interpret is None else interpret,
         block_rows=default_rows if block_rows is None else block_rows,

@@ -13,8 +13,7 @@ with the parts it repeats or should not read masked off) and merges them as it g
 online-softmax style: a running max of the lse rescales what came before. A loop over single
 partials would wait on one small load after another (P is 40-70 at batch 1: ~9 us on the H200 for
 3 KV heads, more than the attention itself). The output goes to q's layout [B, T, Hq, D] directly
-(flash_block.query_rows), so no XLA transpose follows. The AR step's attention kernel runs the same
-merge (`merge_partials`) in its last program instead (hybrid_attention).
+(flash_block.query_rows), so no XLA transpose follows.
 """
 
 from __future__ import annotations
@@ -46,24 +45,21 @@ def parts_per_chunk(num_parts: int, block_rows: int, head_dim: int) -> int:
     return c
 
 
-def merge_partials(o_parts_ref, lse_parts_ref, used, row0, row_ok, chunk: int, volatile: bool = False):
-    """The first `used` partials of o_parts [P, rows, D], lse_parts [P, rows] merged at rows
-    [row0, row0 + R) (R = row_ok's length; rows not ok are not read), chunk partials a load.
-    Returns (o float32 [R, D], lse float32 [R]); a row no partial saw gives 0 and -inf. volatile:
-    plgpu.load's, for partials other programs of the same kernel wrote."""
-    num_parts, block_rows = o_parts_ref.shape[0], row_ok.shape[0]
-    used = jnp.minimum(used, num_parts)
-
-    def load(ref, mask, other):
-        return plgpu.load(ref, mask=mask, other=other, volatile=volatile)
+def _combine_kernel(
+    used_ref, o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, num_parts, group, chunk
+):
+    """The first used_ref[()] partials of o_parts [P, rows, D], lse_parts [P, rows] of one (batch,
+    KV head) -> o [T, Hq, D] (and lse [Hq, T] when asked) at this program's rows."""
+    row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
+    used = jnp.minimum(used_ref[()], num_parts)
 
     def merge(c, carry):
         acc, total, top = carry
         start = jnp.minimum(c * chunk, num_parts - chunk)  # in bounds; parts before c * chunk are done
         part = start + jnp.arange(chunk)
         ok = ((part >= c * chunk) & (part < used))[:, None] & row_ok[None, :]
-        lse = load(lse_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows)], ok, -jnp.inf)
-        o = load(o_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows), :], ok[:, :, None], 0.0)
+        lse = plgpu.load(lse_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows)], mask=ok, other=-jnp.inf)
+        o = plgpu.load(o_parts_ref.at[pl.ds(start, chunk), pl.ds(row0, block_rows), :], mask=ok[:, :, None], other=0.0)
         new_top = jnp.maximum(top, jnp.max(lse, axis=0))
         # Rows no part has seen yet keep top = -inf: shift them by 0, so every weight is e^-inf = 0.
         shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)
@@ -80,22 +76,10 @@ def merge_partials(o_parts_ref, lse_parts_ref, used, row0, row_ok, chunk: int, v
     acc, total, top = lax.fori_loop(0, lax.div(used + chunk - 1, chunk), merge, empty)
     seen = total > 0.0
     safe_total = jnp.where(seen, total, 1.0)
-    return acc / safe_total[:, None], jnp.where(seen, top + jnp.log(safe_total), -jnp.inf)
-
-
-def _combine_kernel(used_ref, o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, group, chunk):
-    """The first used_ref[()] partials of o_parts [P, rows, D], lse_parts [P, rows] of one (batch,
-    KV head) -> o [T, Hq, D] (and lse [Hq, T] when asked) at this program's rows."""
-    row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    o, lse = merge_partials(o_parts_ref, lse_parts_ref, used_ref[()], row0, row_ok, chunk)
-    fb.store_query_rows(o_ref, query, head, row_ok, o)
+    fb.store_query_rows(o_ref, query, head, row_ok, acc / safe_total[:, None])
     if lse_ref:
+        lse = jnp.where(seen, top + jnp.log(safe_total), -jnp.inf)
         plgpu.store(lse_ref[0].at[head, query], lse, mask=row_ok)
-
-
-def merge_block_rows(rows: int) -> int:
-    """Rows a merge program takes: the smallest power of two that holds `rows`, at most BLOCK_ROWS."""
-    return 1 << (min(rows, BLOCK_ROWS) - 1).bit_length()
 
 
 @functools.partial(jax.jit, static_argnames=("num_queries", "out_dtype", "with_lse", "interpret"))
@@ -109,9 +93,11 @@ def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtyp
     b, hkv, num_parts, rows, d = o_parts.shape
     group = rows // num_queries
     hq = hkv * group
-    block_rows = merge_block_rows(rows)
+    block_rows = 1 << (min(rows, BLOCK_ROWS) - 1).bit_length()
     chunk = parts_per_chunk(num_parts, block_rows, d)
-    kernel = functools.partial(_combine_kernel, block_rows=block_rows, num_rows=rows, group=group, chunk=chunk)
+    kernel = functools.partial(
+        _combine_kernel, block_rows=block_rows, num_rows=rows, num_parts=num_parts, group=group, chunk=chunk
+    )
     out_specs = [pl.BlockSpec((None, num_queries, hq, d), lambda i, h, r: (i, 0, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, num_queries, hq, d), out_dtype)]
     if with_lse:

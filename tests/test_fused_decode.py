@@ -193,8 +193,7 @@ def test_attend_and_write_block_matches_float64_reference(impl):
     """From the un-rotated q|k|v product: the rotated k and the v of the new token land at row
     lengths[b] (other rows untouched) and o is attention of the rotated q over rows [0, lengths[b])
     plus the new key where the token sees itself; an empty cache, a token that does not see
-    itself, the cache's last row. The counters come back zeros (under "pallas" the kernel counted
-    its programs in them)."""
+    itself, the cache's last row."""
     rng = np.random.default_rng(9)
     b, hq, hkv, s, d = 3, 6, 2, 70, 64
     qkv = rng.standard_normal((b, 1, hq + 2 * hkv, d), np.float32)
@@ -204,15 +203,13 @@ def test_attend_and_write_block_matches_float64_reference(impl):
     angles = rng.uniform(0, 100, (b, 1, 1, d // 2))
     cos, sin = np.cos(angles), np.sin(angles)
     rope = (jnp.asarray(cos, jnp.float32), jnp.asarray(sin, jnp.float32))
-    o, k_out, v_out, sync = attention.attend_and_write_block(
+    o, k_out, v_out = attention.attend_and_write_block(
         jnp.asarray(qkv.reshape(b, 1, -1)),
         rope,
         *(jnp.asarray(x) for x in (k, v, lengths, self_mask)),
         num_heads=hq,
         impl=impl,
-        sync=jnp.zeros((b, hkv), jnp.int32),
     )
-    np.testing.assert_array_equal(np.asarray(sync), np.zeros((b, hkv), np.int32))
     x1, x2 = np.split(qkv[:, :, : hq + hkv].astype(np.float64), 2, axis=-1)
     qk = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     k_want, v_want = k.copy(), v.copy()

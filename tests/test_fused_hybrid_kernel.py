@@ -5,17 +5,14 @@ Unwritten kernel outputs are NaN in the interpreter (see test_tree_attention), s
 that matches the reference also proves every element was written.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.hybrid_attention import MERGE_IN_KERNEL_MAX_ROWS, hybrid_attention, hybrid_attention_and_write
+from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 from pallas_kernels.split_combine import combine_splits
-from tests.pallas_calls import pallas_kernel_names
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -116,76 +113,6 @@ def test_packed_kernel_rotates_attends_and_writes_the_new_rows(b, t, s, lengths,
     np.testing.assert_allclose(np.asarray(o), want, **TOL)
 
 
-# (B, cache lengths, capacity S, (Hq, Hkv, D), self-visibility, num_splits): AR steps that merge
-# their partials in the kernel, lengths off the 64-key tile (an empty cache, one full but for the
-# new row), GQA group 3 and 1, head dims 64 and 128, a token that sees nothing; one split (what
-# None picks for these small caches) and several, more than a short sequence fills (3 and 5: the
-# programs of the empty splits write nothing but still count).
-ONE_KERNEL_CASES = [
-    (1, [131], 150, (9, 3, 64), [True], 3),
-    (3, [0, 199, 70], 200, (9, 3, 64), [True, True, False], None),
-    (3, [99, 0, 37], 100, (4, 4, 128), [True, False, True], None),
-    (1, [76], 77, (6, 2, 128), [True], 1),
-    (3, [1, 300, 4], 301, (9, 3, 64), [True, True, True], 5),
-]
-
-
-@pytest.mark.parametrize("b,lengths,s,heads,sees_itself,num_splits", ONE_KERNEL_CASES)
-def test_ar_step_merges_in_the_kernel_as_the_combine_does(b, lengths, s, heads, sees_itself, num_splits):
-    """Given the counters, the AR step is one kernel whose last program of each (batch, KV head)
-    merges the partials: o equals the two-kernel path's and the float64 reference's, the caches are
-    written alike and as the reference, and the counters come back all zeros."""
-    hq, hkv, d = heads
-    rng = np.random.default_rng([b, s, d])
-    lengths = np.asarray(lengths, np.int32)
-    qkv = rng.standard_normal((b, 1, hq + 2 * hkv, d), np.float32)
-    k_cache, v_cache = (rng.standard_normal((b, s, hkv, d), np.float32) for _ in range(2))
-    angles = rng.uniform(0, 100, (b, 1, d // 2))
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    mask = np.asarray(sees_itself)[:, None, None]
-    args = [jnp.asarray(x) for x in (qkv, cos, sin, k_cache, v_cache, lengths, mask)]
-    sync = jnp.zeros((b, hkv), jnp.int32)
-    one = functools.partial(hybrid_attention_and_write, num_heads=hq, num_splits=num_splits, sync=sync)
-    two = functools.partial(hybrid_attention_and_write, num_heads=hq, num_splits=num_splits)
-    assert pallas_kernel_names(one, *args) == ["hybrid_split_k_attn_write"]
-    assert pallas_kernel_names(two, *args) == ["hybrid_split_k_attn_write", "split_k_combine"]
-
-    o, k_out, v_out, sync_out = one(*args)
-    o_two, k_two, v_two = two(*args)
-    np.testing.assert_array_equal(np.asarray(sync_out), np.zeros((b, hkv), np.int32))
-    assert o.shape == (b, 1, hq, d) and np.isfinite(np.asarray(o)).all()
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_two), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_two))
-    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_two))
-    q, k_new = rotated(qkv[:, :, :hq], cos, sin), rotated(qkv[:, :, hq : hq + hkv], cos, sin)
-    v_new = qkv[:, :, hq + hkv :]
-    np.testing.assert_allclose(np.asarray(k_out), with_rows_written(k_cache, k_new, lengths), rtol=0, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(v_out), with_rows_written(v_cache, v_new, lengths))
-    want, _ = concatenated_reference(q, k_cache, v_cache, lengths, k_new, v_new, mask)
-    np.testing.assert_allclose(np.asarray(o), want, **TOL)
-    empty = (lengths == 0) & ~np.asarray(sees_itself)
-    assert (np.asarray(o)[empty] == 0).all()
-
-
-def test_counters_pass_through_a_block_of_many_rows():
-    """A block of more rows a KV head than MERGE_IN_KERNEL_MAX_ROWS (6 tokens x 3 heads) keeps the
-    combine kernel and returns the counters as given."""
-    rng = np.random.default_rng(5)
-    b, t, hq, hkv, s, d = 2, 6, 9, 3, 90, 64
-    assert t * hq // hkv > MERGE_IN_KERNEL_MAX_ROWS
-    qkv = rng.standard_normal((b, t, hq + 2 * hkv, d), np.float32)
-    k_cache, v_cache = (rng.standard_normal((b, s, hkv, d), np.float32) for _ in range(2))
-    cos, sin = np.ones((b, t, d // 2), np.float32), np.zeros((b, t, d // 2), np.float32)
-    mask = random_tree_mask(rng, b, t)
-    args = [jnp.asarray(x) for x in (qkv, cos, sin, k_cache, v_cache, np.asarray([30, 7], np.int32), mask)]
-    sync = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
-    fn = functools.partial(hybrid_attention_and_write, num_heads=hq, num_splits=2)
-    assert "split_k_combine" in pallas_kernel_names(functools.partial(fn, sync=sync), *args)
-    o, _, _, sync_out = fn(*args, sync=sync)
-    np.testing.assert_array_equal(np.asarray(sync_out), np.asarray(sync))
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(fn(*args)[0]))
-
-
 def test_packed_kernel_rejects_bad_shapes():
     z = lambda *shape: jnp.zeros(shape, jnp.float32)
     args = (z(1, 1, 10, 64), z(1, 1, 32), z(1, 1, 32), z(1, 8, 2, 64), z(1, 8, 2, 64), jnp.ones((1,), jnp.int32))
@@ -193,8 +120,6 @@ def test_packed_kernel_rejects_bad_shapes():
         hybrid_attention_and_write(*args, jnp.ones((1, 1, 1), bool), num_heads=4)
     with pytest.raises(ValueError, match="mask must be"):
         hybrid_attention_and_write(*args, jnp.ones((1, 1, 2), bool), num_heads=6)
-    with pytest.raises(ValueError, match="sync must be int32\\[B,Hkv\\]"):
-        hybrid_attention_and_write(*args, jnp.ones((1, 1, 1), bool), num_heads=6, sync=jnp.zeros((1, 3), jnp.int32))
 
 
 def test_hybrid_kernel_row_that_sees_nothing_is_zero():
@@ -314,37 +239,3 @@ def test_gpu_bfloat16_hybrid_kernel_at_smollm2_shapes():
     want, _ = concatenated_reference(*(np.asarray(x, np.float32) if x.dtype == jnp.bfloat16 else x for x in as_device))
     assert np.isfinite(o).all() and (o[0, 4] == 0).all()
     assert np.abs(o - want).max() < 2e-2 * np.abs(want).max()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas needs an NVIDIA GPU")
-@pytest.mark.parametrize("lengths", [[4500], [4500, 0, 4321, 8191]])
-def test_gpu_ar_step_merges_in_the_kernel_call_after_call(lengths):
-    """The compiled one-kernel AR step at SmolLM2's shape (GQA 9 / 3, D = 64, bf16, ~4.5k cached
-    keys in 8,192 rows; at batch 4 also an empty cache and a full one), 200 calls back to back in a
-    device loop, a fresh token each, every call taking the counters the last returned: each o
-    equals the two-kernel path's and the counters end all zeros. Only a GPU runs the programs at
-    once, so only here can a merge that read a partial before its store became visible show."""
-    b, hq, hkv, s, d, calls = len(lengths), 9, 3, 8192, 64, 200
-    rng = np.random.default_rng(31)
-    k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16) for _ in range(2))
-    lengths, mask = jnp.asarray(lengths, jnp.int32), jnp.ones((b, 1, 1), bool)
-    angles = jnp.asarray(rng.uniform(0, 100, (b, 1, d // 2)), jnp.float32)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    attend = functools.partial(hybrid_attention_and_write, num_heads=hq)
-
-    @jax.jit
-    def run(sync):
-        def call(i, carry):
-            sync, worst, scale = carry
-            qkv = jax.random.normal(jax.random.key(i), (b, 1, hq + 2 * hkv, d), jnp.bfloat16)
-            o, _, _, sync = attend(qkv, cos, sin, k_cache, v_cache, lengths, mask, sync=sync)
-            want = attend(qkv, cos, sin, k_cache, v_cache, lengths, mask)[0].astype(jnp.float32)
-            err = jnp.where(jnp.isfinite(o), jnp.abs(o.astype(jnp.float32) - want), jnp.inf)
-            return sync, jnp.maximum(worst, err.max()), jnp.maximum(scale, jnp.abs(want).max())
-
-        return jax.lax.fori_loop(0, calls, call, (sync, jnp.float32(0), jnp.float32(0)))
-
-    sync, worst, scale = run(jnp.zeros((b, hkv), jnp.int32))
-    np.testing.assert_array_equal(np.asarray(sync), np.zeros((b, hkv), np.int32))
-    assert float(scale) > 0 and float(worst) <= 1e-2 * float(scale), (float(worst), float(scale))

@@ -86,28 +86,6 @@ def test_kernels_lower_to_valid_triton_modules(lowered_modules, kernel, b, t, hq
     assert_valid_modules(lowered_modules, names)
 
 
-@pytest.mark.parametrize("b,hq,hkv,s,d", [(2, 9, 3, 4608, 64), (1, 32, 8, 32768, 128), (4, 32, 32, 32768, 128)])
-def test_ar_step_with_counters_lowers_to_one_valid_triton_module(lowered_modules, b, hq, hkv, s, d):
-    """The AR step given the counters: one kernel, whose programs count themselves after a barrier
-    (acq_rel atomics at GPU scope) and whose last one merges the partials with volatile loads."""
-    bf16 = jnp.bfloat16
-    shapes = [
-        jax.ShapeDtypeStruct((b, 1, hq + 2 * hkv, d), bf16),
-        *[jax.ShapeDtypeStruct((b, 1, d // 2), jnp.float32)] * 2,
-        *[jax.ShapeDtypeStruct((b, s, hkv, d), bf16)] * 2,
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b, 1, 1), jnp.bool_),
-        jax.ShapeDtypeStruct((b, hkv), jnp.int32),
-    ]
-    lower_for_cuda(
-        lambda *args: hybrid_attention_and_write(*args[:-1], num_heads=hq, sync=args[-1], interpret=False), *shapes
-    )
-    assert_valid_modules(lowered_modules, {"hybrid_split_k_attn_write"})
-    text = str(lowered_modules[0])
-    assert "gpu.barrier" in text and text.count("tt.atomic_rmw add, acq_rel, gpu") == 2
-    assert "isVolatile = true" in text
-
-
 # (B, layers, T, A, S, Hkv, D): SmolLM2 verify at batch 1 and 2 (bf16 cache, float32 block rows
 # cast on the way), a 7B-like layout.
 COMMIT_SHAPES = [

@@ -16,7 +16,6 @@ from longspec_jax.generation import generate
 from longspec_jax.model import commit, init_cache
 from longspec_jax.target import Target, random_target
 from pallas_kernels.reference import random_tree_mask
-from tests.pallas_calls import pallas_kernel_names
 from tests.tiny_models import tiny_config
 
 MAX_LEN = 24
@@ -121,50 +120,3 @@ def test_pallas_ar_steps_with_fused_projections_equal_xla():
     assert (
         generate(fused, prompts, max_new_tokens=6, eos_token_ids=(), attn_impl="pallas", mode="ar").tokens == reference
     )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _ar_step(graphdef, params, tokens, positions, cache, impl):
-    ones = jnp.ones((tokens.shape[0], 1, 1), bool)
-    logits, cache, _ = nnx.merge(graphdef, params).forward_block(tokens, positions, ones, cache, attn_impl=impl)
-    return logits, cache
-
-
-def test_pallas_ar_steps_merge_in_the_kernel_and_decode_what_xla_does():
-    """Greedy AR steps in float32 (kernels in interpret mode): under "pallas" each layer's attention
-    is one kernel, which merges its partials through the cache's counters and leaves them zeros;
-    its logits and tokens equal impl "xla"'s and those of a cache without counters (the combine
-    kernel after each layer's)."""
-    config = tiny_config(head_dim=64, num_heads=6, num_kv_heads=2, num_layers=2)
-    model = random_target(config, seed=8, dtype="float32").model.inference_layout()
-    graphdef, params = nnx.split(model)
-    rng = np.random.default_rng(8)
-    lengths = np.asarray([9, 3], np.int32)
-    prompts = rng.integers(0, config.vocab_size, size=(2, 12)).astype(np.int32)
-    _, cache = _prefill(graphdef, params, prompts, lengths, init_cache(config, 2, MAX_LEN, jnp.float32))
-    np.testing.assert_array_equal(np.asarray(cache.sync), np.zeros((2, 2), np.int32))
-    roots = prompts[np.arange(2), lengths - 1][:, None]  # re-decode each prompt's last token: any token does
-
-    def kernels(cache):
-        args = (graphdef, params, roots, cache.lengths[:, None], cache, "pallas")
-        return pallas_kernel_names(_ar_step, *args, static_argnums=(0, 5))
-
-    assert kernels(cache) == ["hybrid_split_k_attn_write"] * config.num_layers
-    assert kernels(cache.replace(sync=None)) == ["hybrid_split_k_attn_write", "split_k_combine"] * config.num_layers
-
-    def decode(impl, cache, steps=6):
-        tokens, all_logits = [roots], []
-        for _ in range(steps):
-            logits, cache = _ar_step(graphdef, params, tokens[-1], cache.lengths[:, None], cache, impl)
-            if cache.sync is not None:
-                np.testing.assert_array_equal(np.asarray(cache.sync), np.zeros((2, 2), np.int32))
-            all_logits.append(np.asarray(logits[:, 0]))
-            tokens.append(np.asarray(jnp.argmax(logits[:, 0], axis=-1), np.int32)[:, None])
-            cache = cache.replace(lengths=cache.lengths + 1)
-        return np.concatenate(tokens[1:], 1), np.stack(all_logits, 1)
-
-    tokens_x, logits_x = decode("xla", cache)
-    for pallas_cache in (cache, cache.replace(sync=None)):
-        tokens_p, logits_p = decode("pallas", pallas_cache)
-        np.testing.assert_array_equal(tokens_p, tokens_x)
-        np.testing.assert_allclose(logits_p, logits_x, rtol=1e-5, atol=1e-6)
