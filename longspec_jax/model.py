@@ -187,7 +187,7 @@ class PackedLinear(nnx.Module):
         scale = None
         if self.eps is not None:
             x32 = x.astype(jnp.float32)
-            scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            scale = inverse_rms(x32, self.eps)
             if rows < SCALE_AFTER_ROWS or x.shape[-1] > SCALE_AFTER_MAX_WIDTH:
                 x, scale = (x32 * scale).astype(x.dtype), None
         out = x.dtype if scale is None else jnp.float32
@@ -219,8 +219,12 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return self.weight[...] * (x32 * inverse_rms(x32, self.eps)).astype(x.dtype)
+
+
+def inverse_rms(x32: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm's statistics of float32 rows x32 [..., H]: rsqrt(mean(x^2) + eps), [..., 1]."""
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class SelfAttentionProjections(nnx.Module):
