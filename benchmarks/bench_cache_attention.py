@@ -1,5 +1,7 @@
 """The verify's attention over the cache on the GPU: the Triton split-K kernel against the Mosaic GPU
-one (TMA and wgmma), per layer, against the K/V bytes at the read rate measured in the same run.
+one (TMA and wgmma), per layer, against their floor measured in the same run: the K/V bytes at the
+better of a copy's and a reduction's rate, or the matrix work (4 T Hq D context FLOPs) at a large bf16
+matmul's rate, whichever is longer.
 
 Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
 [0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
@@ -16,7 +18,7 @@ from memory as the model does.
 
     python -m benchmarks.bench_cache_attention
     python -m benchmarks.bench_cache_attention --shapes vicuna7b --contexts 32768 --batches 1 \
-        --mgpu-configs 64:3:auto,128:2:auto,64:4:16
+        --mgpu-configs 128:2:auto,64:3:auto,64:4:16
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_attention import measure_ceilings
+from longspec_jax.attention import merge_attention, write_cache_rows
 from longspec_jax.decode_kit import timed
 from longspec_jax.model_shapes import MODEL_SHAPES
-from longspec_jax.rope import inverse_frequencies, rope_tables
+from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 from pallas_kernels import cache_attention as triton_cache
 from pallas_kernels import cache_attention_mgpu as mgpu_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
+from pallas_kernels.tree_attention import masked_attention
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -74,12 +79,6 @@ def check(configs) -> None:
             empty_ok = bool(np.all(np.isneginf(np.asarray(lse)[~finite])))
             status = "ok" if o_err < 2e-2 and lse_err < 1e-2 and empty_ok else "WRONG"
             print(f"check B={b} Hq={hq} Hkv={hkv} D={d} {lengths} {name}: o {o_err:.2e} lse {lse_err:.2e} {status}")
-
-
-def read_rate() -> float:
-    """Bytes per second a reduction reads from a 2 GiB array (the cache's stream rate ceiling)."""
-    x = jnp.ones((1 << 30,), jnp.bfloat16)
-    return x.nbytes / best_seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x, repeats=5)
 
 
 def best_seconds(fn, arg, repeats: int) -> float:
@@ -146,6 +145,31 @@ def verify_kernel(config, batch: int, context: int, launch: dict):
     return attend
 
 
+def composite_verify(config, batch: int, context: int, knobs: dict):
+    """The verify's attention with the cache half on the Mosaic GPU kernel, as the model would
+    compose it from the same q|k|v input as `verify_kernel`: XLA rotates q and the new keys and
+    writes the new K/V rows, the Mosaic GPU kernel attends the cache, the Triton masked kernel the
+    tree's own keys, and XLA merges the two by their lse."""
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    key_k, key_v = jax.random.split(jax.random.key(1))
+    new_k = jax.random.normal(key_k, (batch, T, hkv, d), jnp.bfloat16)
+    new_v = jax.random.normal(key_v, (batch, T, hkv, d), jnp.bfloat16)
+    positions = context + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
+    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
+    mask = jnp.asarray(random_tree_mask(np.random.default_rng(0), batch, T))
+
+    def attend(q, k_cache, v_cache, lengths):
+        qk = rotate(jnp.concatenate([q, new_k], axis=2), cos, sin)
+        q_rot, k_rot = qk[:, :, :hq], qk[:, :, hq:]
+        o_c, lse_c = mgpu_cache.cache_attention(q_rot, k_cache, v_cache, lengths, **knobs)
+        o_s, lse_s = masked_attention(q_rot, k_rot, new_v, mask)
+        k_cache = write_cache_rows(k_cache, k_rot, lengths)
+        v_cache = write_cache_rows(v_cache, new_v, lengths)
+        return merge_attention(o_c, lse_c, o_s, lse_s).astype(q.dtype), k_cache, v_cache
+
+    return attend
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="vicuna7b,llama31_8b")
@@ -158,22 +182,28 @@ def main(argv=None) -> None:
         default="auto",
         help='block_rows:warps:stages,... of the verify kernel ("auto": the model\'s)',
     )
+    parser.add_argument(
+        "--composite-configs",
+        default="",
+        help="block_keys:stages:splits,... of the Mosaic GPU kernel inside a whole verify attention (composite_verify)",
+    )
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args(argv)
     configs = [c for c in args.mgpu_configs.split(",") if c]
+    composite_configs = [c for c in args.composite_configs.split(",") if c]
     verify_configs = args.verify_configs.split(",")
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | {jax.devices()[0].device_kind} | jax {jax.__version__}"
     )
     if not args.skip_check:
         check(configs)
-    rate = read_rate()
-    print(f"read rate {rate / 1e9:.0f} GB/s")
+    rate, matmul_rate = measure_ceilings()
+    print(f"read rate {rate / 1e9:.0f} GB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
     print(
-        "| shape | B | context | K/V MB | floor us | triton cache us | "
+        "| shape | B | context | K/V MB | GFLOP | floor us | triton cache us | "
         + "".join(f"triton verify {c} us | " for c in verify_configs)
-        + " | ".join(f"mgpu {c} us" for c in configs)
-        + " |"
+        + "".join(f"mgpu {c} us | " for c in configs)
+        + "".join(f"mgpu verify {c} us | " for c in composite_configs)
     )
     for shape in args.shapes.split(","):
         config = MODEL_SHAPES[shape]
@@ -187,6 +217,9 @@ def main(argv=None) -> None:
                 caches = tuple(jax.random.normal(k, (batch, capacity, hkv, d), jnp.bfloat16) for k in keys[1:])
                 lengths = jnp.full((batch,), context, jnp.int32)
                 kv_bytes = 2 * batch * context * hkv * d * 2
+                flops = 4 * batch * T * hq * d * context
+                floor = max(kv_bytes / rate, flops / matmul_rate)
+                floor_kind = "bytes" if kv_bytes / rate >= flops / matmul_rate else "flops"
                 started = time.perf_counter()
                 attenders = (
                     [
@@ -203,6 +236,10 @@ def main(argv=None) -> None:
                         )
                         for c in configs
                     ]
+                    + [
+                        (f"mgpu verify {c}", composite_verify(config, batch, context, parse_config(c)))
+                        for c in composite_configs
+                    ]
                 )
                 times = []
                 for name, attend in attenders:
@@ -213,9 +250,10 @@ def main(argv=None) -> None:
                         print(f"  {shape} B={batch} {context} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
                         times.append(float("nan"))
                 print(f"  ({time.perf_counter() - started:.0f} s for this row)")
-                cells = " | ".join(f"{s * 1e6:.1f} ({kv_bytes / s / 1e12:.2f} TB/s)" for s in times)
+                cells = " | ".join(f"{s * 1e6:.1f} ({s / floor:.2f}x)" for s in times)
                 print(
-                    f"| {shape} | {batch} | {context} | {kv_bytes / 1e6:.0f} | {kv_bytes / rate * 1e6:.1f} | {cells} |"
+                    f"| {shape} | {batch} | {context} | {kv_bytes / 1e6:.0f} | {flops / 1e9:.1f} | "
+                    f"{floor * 1e6:.1f} ({floor_kind}) | {cells} |"
                 )
                 del caches
 

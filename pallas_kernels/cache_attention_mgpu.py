@@ -2,21 +2,21 @@
 
 The contract of cache_attention.cache_attention (T queries against the keys [0, cache_len[b]) of a
 cache [B, S, Hkv, D], no mask; o and the natural-log lse back), for the 64-token verify of a 7B
-model, where that Triton kernel is bound by its matrix work or its stream rate. Each block is one
-(KV head, slice of the sequence's keys, batch) and runs group + 1 warpgroups: the last issues the
-TMA copies of the slice's key and value tiles into a ring of shared-memory slots; each other one
-folds one query head of the group into an online softmax with wgmma (scores Q K^T, then P V,
-the probabilities through shared memory) and writes its partial (o normalised, lse). The partials
-are merged in XLA (`merge_partials`).
+model, where that Triton kernel is bound by its matrix work (Llama-3-8B's four query heads a KV
+head: 256 query rows against each key).
+
+A block is (query heads, slice of the sequence's keys, batch): one or two query heads of one KV
+head's group (two where the group is even), each folded by its own compute warpgroup, and a third
+warpgroup that issues the TMA copies of the slice's key and value tiles into a ring of
+shared-memory slots that both compute warpgroups read. The two compute warpgroups take turns at the
+tensor cores (a shared "schedule" barrier): while one runs its score product or its value product,
+the other runs its softmax. The probabilities feed the value product from registers. The two blocks
+of a group of four read the same tiles one after the other, mostly from the L2.
 
 The slices are cut from the true length as cache_attention.split_plan cuts them, so a sequence
-that fills part of its cache loads only the tiles it holds; keys past the length inside the last
-tile are masked. A slice with no keys writes o = 0 and lse = -inf, which the merge weighs 0.
-
-Not called by the model: on the H200 it was 6 % faster than the Triton cache kernel at Vicuna-7B's
-shape and slower at Llama-3-8B's (184.8 against 143.3 us at 32k, the group folded), and the model's
-verify kernel now runs as fast as that Triton cache kernel (BENCHMARKS.md, "The verify's cache
-attention on Hopper's units" and "the verify's attention at the cache kernel's speed").
+that fills part of its cache loads only the tiles it holds; keys past the length inside a block's
+last tile are masked (only that tile pays for the mask). A slice with no keys writes o = 0 and
+lse = -inf, which the merge weighs 0. The partials are merged in XLA (`merge_partials`).
 """
 
 from __future__ import annotations
@@ -34,78 +34,115 @@ from pallas_kernels import flash_block as fb
 from pallas_kernels.cache_attention import split_plan, valid_lengths
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
-MAX_GROUP = 4  # query heads a KV head: one compute warpgroup each, registers shared (_registers)
 _LOG2E = math.log2(math.e)
 
 
 def supports(q, k_cache) -> bool:
-    """Whether the kernel takes these operands: 64 queries, 16-bit, head dim a multiple of 64, at
-    most MAX_GROUP query heads a KV head."""
+    """Whether the kernel takes these operands: 64 queries, 16-bit, head dim a multiple of 64."""
     return (
         q.shape[1] == QUERY_ROWS
-        and q.shape[2] // k_cache.shape[2] <= MAX_GROUP
         and q.shape[-1] % 64 == 0
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and k_cache.dtype == q.dtype
     )
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, group, block_keys, stages, num_splits):
-    (q_smems, k_smem, v_smem, p_smems, lse_smems), (q_barriers, k_ready, v_ready), (k_free, v_free) = scoped
-    kv_head, split, batch = lax.axis_index("kv_heads"), lax.axis_index("split"), lax.axis_index("batch")
+def heads_per_block(q, k_cache) -> int:
+    """Query heads a block folds: two of a group where the group is even, else one."""
+    return 2 if (q.shape[2] // k_cache.shape[2]) % 2 == 0 else 1
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair, block_keys, stages, num_splits):
+    (q_smems, k_smem, v_smem, lse_smems, p_smems), (q_barriers, k_ready, v_ready), (k_free, v_free), turn = scoped
+    heads, split, batch = lax.axis_index("heads"), lax.axis_index("split"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
+    group = q_ref.shape[2] // k_ref.shape[2]
+    kv_head = lax.div(heads * pair, jnp.int32(group))
     length = len_ref[batch]
     num_tiles, per_split, _ = split_plan(length, num_splits, block_keys)
     first = split * per_split
     steps = jnp.maximum(jnp.minimum(first + per_split, num_tiles) - first, 0)
+    compute_regs, load_regs = _registers(pair)
 
-    compute_regs, load_regs = _registers(group)
+    def take_turn():
+        # Both compute warpgroups arrive; each waits for the other's arrival. They enter with one
+        # phase between them, so the tensor-core work of one meets the softmax of the other.
+        if pair == 2:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
-    @pl.when(wg < group)
+    @pl.when(wg < pair)
     def _fold():
-        # Warpgroup wg folds query head kv_head * group + wg; all of them read the same K/V slots.
         plgpu.set_max_registers(compute_regs, action="increase")
-        head = kv_head * group + wg
-        q_smem, p_smem, lse_smem, q_barrier = q_smems.at[wg], p_smems.at[wg], lse_smems.at[wg], q_barriers.at[wg]
+        head = heads * pair + wg
+        q_smem, lse_smem, q_barrier = q_smems.at[wg], lse_smems.at[wg], q_barriers.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(0, QUERY_ROWS), head], q_smem, q_barrier)
         plgpu.barrier_wait(q_barrier)
         rows = plgpu.Layout.WGMMA.reduce(1)
         m = plgpu.layout_cast(jnp.full((QUERY_ROWS,), -jnp.inf, jnp.float32), rows)
         l = plgpu.layout_cast(jnp.full((QUERY_ROWS,), 0.0, jnp.float32), rows)
         acc = plgpu.layout_cast(jnp.zeros((QUERY_ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        to_log2 = scale * _LOG2E
 
-        def fold_tile(step, carry):
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(take_turn)
+
+        def fold_tile(step, carry, masked):
             acc, m, l = carry
             slot = lax.rem(step, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
 
             def scores(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                take_turn()
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((QUERY_ROWS, block_keys), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(key + (first + step) * block_keys < length, s * (scale * _LOG2E), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            if masked:
+                key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(key + (first + step) * block_keys < length, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
+            p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(q_smem.dtype)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            if pair == 2:
+                plgpu.barrier_arrive(turn)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
+            if pair == 2:
+                plgpu.barrier_wait(turn)  # the tensor cores are ours
 
-            p_smem[...] = p.astype(p_smem.dtype)
-            plgpu.commit_smem()
+            def values(acc_ref, p):
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                following = step + 1
 
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                return acc_ref[...]
+                @pl.when(following < steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(following, stages)])
 
-            acc = acc + pl.run_scoped(values, plgpu.ACC(acc.shape, jnp.float32))
+            if p_smems is None:  # the probabilities from registers, into the accumulator as it is
+                acc = pl.run_state(lambda acc_ref: values(acc_ref, p16))(plgpu.ACC.init(acc))
+            else:  # the interpreter: its wgmma reads both operands from shared memory
+                p_smems[wg] = p16
+                plgpu.commit_smem()
+                acc = acc + pl.run_scoped(
+                    lambda acc_ref: (values(acc_ref, p_smems.at[wg]), acc_ref[...])[1],
+                    plgpu.ACC(acc.shape, jnp.float32),
+                )
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        acc, m, l = lax.fori_loop(0, steps, fold_tile, (acc, m, l))
+        # Every tile but the block's last holds keys below the length only.
+        unmasked = jnp.maximum(steps - 1, 0)
+        carry = lax.fori_loop(0, unmasked, functools.partial(fold_tile, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(unmasked, steps, functools.partial(fold_tile, masked=True), carry)
+        pl.when(wg == 0)(take_turn)
+
         held = l > 0
         inv = jnp.where(held, 1.0 / jnp.where(held, l, 1.0), 0.0)
         q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(q_smem.dtype)
@@ -115,7 +152,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, grou
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == group)
+    @pl.when(wg == pair)
     def _load():
         plgpu.set_max_registers(load_regs, action="decrease")
 
@@ -127,26 +164,35 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, grou
         for slot in range(stages):
             pl.when(slot < steps)(functools.partial(issue, slot, slot))
 
+        @pl.loop(0, jnp.maximum(steps - stages, 0))
+        def _refill(step):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(
+                k_ref.at[batch, pl.ds((first + step + stages) * block_keys, block_keys), kv_head],
+                k_smem.at[slot],
+                k_ready.at[slot],
+            )
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(
+                v_ref.at[batch, pl.ds((first + step + stages) * block_keys, block_keys), kv_head],
+                v_smem.at[slot],
+                v_ready.at[slot],
+            )
+
+        # The last use of each slot is waited for too: every phase of a barrier is seen by the
+        # warpgroup that waits on it, and the slots are idle when the kernel ends.
         def wait_free(slot):
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
-        @pl.loop(0, jnp.maximum(steps - stages, 0))
-        def _refill(step):
-            slot = lax.rem(step, stages)
-            wait_free(slot)
-            issue(step + stages, slot)
-
-        # The last use of each slot is waited for too: every phase of a barrier is seen by the
-        # warpgroup that waits on it, and the slots are idle when the kernel ends.
         for slot in range(stages):
             pl.when(slot < steps)(functools.partial(wait_free, slot))
 
 
 def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, stages, interpret):
     b, t, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
+    pair = heads_per_block(q, k_cache)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
@@ -160,27 +206,28 @@ def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, st
                 lse_ref,
                 scoped,
                 scale=scale,
-                group=group,
+                pair=pair,
                 block_keys=block_keys,
                 stages=stages,
                 num_splits=num_splits,
             ),
             (
-                plgpu.SMEM((group, t, d), q.dtype, transforms=tiled),
+                plgpu.SMEM((pair, t, d), q.dtype, transforms=tiled),
                 plgpu.SMEM((stages, block_keys, d), q.dtype, transforms=tiled),
                 plgpu.SMEM((stages, block_keys, d), q.dtype, transforms=tiled),
-                plgpu.SMEM((group, t, block_keys), q.dtype, transforms=tiled),
-                plgpu.SMEM((group, t), jnp.float32),
+                plgpu.SMEM((pair, t), jnp.float32),
+                plgpu.SMEM((pair, t, block_keys), q.dtype, transforms=tiled) if interpret else None,
             ),
             (
-                plgpu.Barrier(num_barriers=group),
+                plgpu.Barrier(num_barriers=pair),
                 plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
             ),
             (
-                plgpu.Barrier(num_arrivals=group, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=group, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=pair, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=pair, num_barriers=stages),
             ),
+            plgpu.Barrier(num_arrivals=pair),
             collective_axes="wg",
         )
 
@@ -190,28 +237,26 @@ def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, st
             jax.ShapeDtypeStruct((b, hq, num_splits, t, d), q.dtype),
             jax.ShapeDtypeStruct((b, hq, num_splits, t), jnp.float32),
         ),
-        grid=(hkv, num_splits, b),
-        grid_names=("kv_heads", "split", "batch"),
-        num_threads=group + 1,
+        grid=(hq // pair, num_splits, b),
+        grid_names=("heads", "split", "batch"),
+        num_threads=pair + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )(lengths, q, k_cache, v_cache)
 
 
-def _registers(group: int) -> tuple[int, int]:
+def _registers(pair: int) -> tuple[int, int]:
     """Registers a thread of a compute warpgroup and of the loading one hold after `setmaxnreg`.
 
-    The block starts with 64k registers split evenly over its group + 1 warpgroups (whole multiples
+    The block starts with 64k registers split evenly over its pair + 1 warpgroups (whole multiples
     of 8 a thread); the loader gives most of its share back and the compute warpgroups take it. The
     shares must add up to no more than the start: an increase waits until the registers are free, so
-    asking for more hangs the block. (A first split that asked 120 for each compute warpgroup at a
-    group of 4, 504 a thread slot against the start's 480, did not finish on the H200; this one
-    runs there, correct against float64.)"""
-    warpgroups = group + 1
+    asking for more hangs the block (seen on the H200)."""
+    warpgroups = pair + 1
     start = 65536 // (128 * warpgroups) // 8 * 8
-    load = 24 if group > 2 else 40
-    return min(232, (start * warpgroups - load) // group // 8 * 8), load
+    load = 40
+    return min(232, (start * warpgroups - load) // pair // 8 * 8), load
 
 
 def merge_partials(o_parts, lse_parts, out_dtype):
@@ -229,9 +274,10 @@ def merge_partials(o_parts, lse_parts, out_dtype):
 
 
 def default_num_splits(q, k_cache, block_keys: int) -> int:
-    """About two programs an SM, no more slices than a full cache has tiles."""
-    programs = q.shape[0] * k_cache.shape[2]
-    return max(1, min(pl.cdiv(2 * fb.NUM_SMS, programs), k_cache.shape[1] // block_keys))
+    """One wave of blocks (a block fills an SM's registers), no more slices than a full cache has
+    tiles."""
+    blocks = q.shape[0] * q.shape[2] // heads_per_block(q, k_cache)
+    return max(1, min(fb.NUM_SMS // blocks, k_cache.shape[1] // block_keys))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_keys", "stages", "interpret"))
@@ -252,7 +298,7 @@ def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, num_splits, block
 
 
 def cache_attention(
-    q, k_cache, v_cache, cache_len, *, scale=None, num_splits=None, block_keys=64, stages=3, interpret=False
+    q, k_cache, v_cache, cache_len, *, scale=None, num_splits=None, block_keys=128, stages=2, interpret=False
 ):
     """q [B,64,Hq,D] against the keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D] (16-bit, D a
     multiple of 64, S a multiple of block_keys): (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T]).
@@ -262,8 +308,7 @@ def cache_attention(
         raise ValueError(f"cache_attention_mgpu: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
     if not supports(q, k_cache):
         raise ValueError(
-            f"cache_attention_mgpu: needs {QUERY_ROWS} queries, a 16-bit dtype, head dim a multiple of 64 and "
-            f"at most {MAX_GROUP} query heads a KV head; "
+            f"cache_attention_mgpu: needs {QUERY_ROWS} queries, a 16-bit dtype and a head dim a multiple of 64; "
             f"got q {q.shape} {q.dtype}, cache {k_cache.dtype}"
         )
     if k_cache.shape[1] % block_keys:

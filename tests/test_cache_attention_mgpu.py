@@ -1,9 +1,11 @@
 """The Mosaic GPU split-K cache attention against float64, in the GPU interpret mode on the CPU:
-lengths off the tile grid, an empty sequence, slices without keys, GQA, both head dims, a ring of
-two to four slots."""
+lengths off the tile grid, an empty sequence, slices without keys, blocks of one query head and of
+two taking turns (even groups, up to eight), both head dims, both tile sizes, a ring of two to four
+slots."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +20,10 @@ T = mgpu.QUERY_ROWS
 @pytest.mark.parametrize(
     "batch, hq, hkv, d, capacity, lengths, knobs",
     [
-        (2, 2, 1, 64, 512, [300, 0], dict(num_splits=3, stages=2)),  # GQA; 3 slices of 5 tiles
-        (1, 2, 2, 128, 256, [256], dict(num_splits=1, stages=3, block_keys=128)),  # no GQA, full cache
-        (2, 3, 1, 64, 1024, [65, 1000], dict(num_splits=4, stages=4)),  # slices with no keys
+        (2, 2, 1, 64, 512, [300, 0], dict(num_splits=3, stages=2, block_keys=64)),  # a pair; 3 slices of 5 tiles
+        (1, 2, 2, 128, 256, [256], dict(num_splits=1, stages=3)),  # no GQA: single heads, full cache
+        (2, 3, 1, 64, 1024, [65, 1000], dict(num_splits=4, stages=4, block_keys=64)),  # odd group; empty slices
+        (1, 8, 2, 128, 2048, [1500], dict(num_splits=2)),  # two pairs a group of 4, 128-key tiles
     ],
 )
 def test_matches_float64(batch, hq, hkv, d, capacity, lengths, knobs):
@@ -40,6 +43,30 @@ def test_matches_float64(batch, hq, hkv, d, capacity, lengths, knobs):
     assert np.all(np.isneginf(np.asarray(lse)[~seen])) and np.all(np.asarray(o)[~seen.any(axis=(1, 2))] == 0)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
+@pytest.mark.parametrize(
+    "hq, hkv, d, lengths, knobs",
+    [
+        (32, 8, 128, [4133, 0], dict()),  # Llama-3's group of 4: pairs; a length off the tile grid
+        (6, 6, 64, [700, 4224], dict(block_keys=64, stages=4, num_splits=3)),  # single heads
+        (12, 4, 128, [1, 2000], dict(num_splits=16)),  # odd group; slices without keys
+    ],
+)
+def test_compiled_matches_float64(hq, hkv, d, lengths, knobs):
+    """The probabilities from registers (the interpreter takes them through shared memory)."""
+    rng = np.random.default_rng(hq + d)
+    capacity = 4224
+    q = jnp.asarray(rng.standard_normal((2, T, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, capacity, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, capacity, hkv, d)), jnp.bfloat16)
+    o, lse = mgpu.cache_attention(q, k, v, jnp.asarray(lengths, jnp.int32), **knobs)
+    ref_o, ref_lse = attention_reference(q, k, v, cache_visibility(lengths, T, capacity))
+    np.testing.assert_allclose(np.asarray(o, np.float64), ref_o, atol=2e-2)
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse, np.float64)[seen], ref_lse[seen], atol=2e-3)
+    assert np.all(np.isneginf(np.asarray(lse)[~seen]))
+
+
 def test_merge_weighs_partials_by_their_lse():
     rng = np.random.default_rng(1)
     o_parts = rng.standard_normal((1, 2, 3, T, 8)).astype(np.float32)
@@ -52,17 +79,17 @@ def test_merge_weighs_partials_by_their_lse():
     np.testing.assert_allclose(np.asarray(lse), np.log(w.sum(axis=2)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_shape", [(1, 16, 2, 64), (1, 64, 8, 64)])  # 16 queries; a group of 8
-def test_rejects_shapes_it_does_not_take(q_shape):
-    q = jnp.zeros(q_shape, jnp.bfloat16)
+@pytest.mark.parametrize("q_shape, dtype", [((1, 16, 2, 64), jnp.bfloat16), ((1, 64, 2, 64), jnp.float32)])
+def test_rejects_operands_it_does_not_take(q_shape, dtype):
+    q = jnp.zeros(q_shape, dtype)
     k = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="needs 64 queries"):
         mgpu.cache_attention(q, k, k, jnp.ones((1,), jnp.int32))
 
 
-@pytest.mark.parametrize("group", range(1, mgpu.MAX_GROUP + 1))
-def test_register_split_fits_the_blocks_start(group):
-    compute, load = mgpu._registers(group)
-    start = 65536 // (128 * (group + 1)) // 8 * 8  # an even split of the SM's registers, 8 at a time
-    assert compute * group + load <= start * (group + 1)
+@pytest.mark.parametrize("pair", [1, 2])
+def test_register_split_fits_the_blocks_start(pair):
+    compute, load = mgpu._registers(pair)
+    start = 65536 // (128 * (pair + 1)) // 8 * 8  # an even split of the SM's registers, 8 at a time
+    assert compute * pair + load <= start * (pair + 1)
     assert compute % 8 == 0 and load % 8 == 0 and 64 <= compute <= 232 and load >= 24
