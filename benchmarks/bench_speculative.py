@@ -103,8 +103,10 @@ def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
-    """The loop's state with `context` tokens in the target cache (as after a prefill of that many)."""
-    cache = init_cache(target.config, batch, context + config.new_bucket + slack, target.dtype)
+    """The loop's state with `context` tokens in the target cache (as after a prefill of that many);
+    the cache's rows rounded up to whole 128-row tiles, as the generator's power-of-two caches are."""
+    rows = -(-(context + config.new_bucket + slack) // 128) * 128
+    cache = init_cache(target.config, batch, rows, target.dtype)
     prompt = jnp.zeros((batch, context), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
     cache = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))

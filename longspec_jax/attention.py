@@ -41,6 +41,8 @@ import numpy as np
 from longspec_jax.errors import UserError
 from longspec_jax.rope import rope_tables, rotate
 from pallas_kernels import cache_attention as pallas_cache
+from pallas_kernels import cache_attention_mgpu as mgpu_cache
+from pallas_kernels import flash_block
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels import tree_attention as pallas_tree
 
@@ -418,6 +420,46 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
     return jax.vmap(write)(cache_rows, new, start)
 
 
+def _on_hopper() -> bool:
+    """Whether the kernels run compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA)."""
+    if flash_block.default_interpret():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper: bool) -> bool:
+    """Whether a verified block's cache half runs on the Mosaic GPU kernel (`cache_attention_mgpu`)
+    instead of inside the Triton hybrid kernel: on a Hopper GPU, for a 64-token block, a 16-bit
+    cache of whole 64-row tiles, a head dim a multiple of 64, and query heads that pair up on a KV
+    head (an even group: Llama-3's and Qwen2.5's GQA), where the Triton kernel is bound by its
+    matrix work (BENCHMARKS.md, "The verify's cache half on Hopper's units")."""
+    group = num_heads // k_cache.shape[2]
+    return (
+        on_hopper
+        and num_tokens == mgpu_cache.QUERY_ROWS
+        and k_cache.dtype in (jnp.bfloat16, jnp.float16)
+        and k_cache.shape[3] % 64 == 0
+        and k_cache.shape[1] % 64 == 0
+        and group % 2 == 0
+    )
+
+
+def _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask, num_heads, scale):
+    """attend_and_write_block's verify with the cache half on the Mosaic GPU kernel: XLA rotates q
+    and the new keys and writes the block's K/V rows; the Mosaic GPU kernel attends cache rows
+    [0, lengths[b]), the Triton masked kernel the block's own keys; `merge_attention` joins them."""
+    hkv = k_cache.shape[2]
+    qkv = qkv.astype(k_cache.dtype)
+    qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
+    q, k_new, v_new = qk[:, :, :num_heads], qk[:, :, num_heads:], qkv[:, :, num_heads + hkv :]
+    k_cache = write_cache_rows(k_cache, k_new, lengths)
+    v_cache = write_cache_rows(v_cache, v_new, lengths)
+    block_keys = 128 if k_cache.shape[1] % 128 == 0 else 64
+    o_c, lse_c = _kernel(mgpu_cache.cache_attention, q, k_cache, v_cache, lengths, scale=scale, block_keys=block_keys)
+    o_s, lse_s = masked_attention(q, k_new, v_new, self_mask, scale=scale)
+    return merge_attention(o_c, lse_c, o_s, lse_s), k_cache, v_cache
+
+
 def attend_and_write_block(
     qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
 ):
@@ -431,7 +473,9 @@ def attend_and_write_block(
     Returns (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache). T > 1 (a verified tree) needs "pallas".
 
     "pallas": one fused kernel rotates, attends and writes the rows (the caches are its outputs,
-    aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels.
+    aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels. A
+    64-token verify of a GQA model on a Hopper GPU instead takes its cache half to the Mosaic GPU
+    kernel (`cache_on_hopper_units`).
     "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
     [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")
@@ -444,6 +488,8 @@ def attend_and_write_block(
         )
     qkv = qkv.reshape(b, t, width // d, d)
     cos, sin = rope
+    if impl == "pallas" and cache_on_hopper_units(t, num_heads, k_cache, on_hopper=_on_hopper()):
+        return _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask, num_heads, scale)
     if impl == "pallas":
         return _kernel(
             pallas_hybrid.hybrid_attention_and_write,

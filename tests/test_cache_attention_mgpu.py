@@ -27,6 +27,11 @@ T = mgpu.QUERY_ROWS
     ],
 )
 def test_matches_float64(batch, hq, hkv, d, capacity, lengths, knobs):
+    with jax.default_device(jax.devices("cpu")[0]):  # the interpreter runs on the CPU, GPU or not
+        _matches_float64(batch, hq, hkv, d, capacity, lengths, knobs)
+
+
+def _matches_float64(batch, hq, hkv, d, capacity, lengths, knobs):
     rng = np.random.default_rng(capacity + d)
     q = jnp.asarray(rng.standard_normal((batch, T, hq, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((batch, capacity, hkv, d)), jnp.bfloat16)
