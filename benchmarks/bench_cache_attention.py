@@ -5,9 +5,11 @@ matmul's rate, whichever is longer.
 
 Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
 [0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
-Mosaic GPU: one XLA fusion). Beside them, the kernel the model's verify runs (Triton: RoPE, the
-cache and the tree's own keys under its mask, the K/V writes, then the combine), to show what the
-verify pays beyond the cache. Timed in a device loop whose iteration calls the kernel once per
+Mosaic GPU: one XLA fusion). Beside them, the Triton verify kernel (RoPE, the cache and the tree's
+own keys under its mask, the K/V writes, then the combine) and the verify's attention as the model
+runs it ("model verify": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own
+keys, after XLA's rotation and writes; else that Triton kernel), to show what the verify pays beyond
+the cache. Timed in a device loop whose iteration calls the kernel once per
 layer, each layer with its own cache, each call's output the next call's queries. Correctness
 against float64 first, at shapes off the tile grid.
 
@@ -32,15 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_attention import measure_ceilings
-from longspec_jax.attention import merge_attention, write_cache_rows
+from longspec_jax.attention import attend_and_write_block
 from longspec_jax.decode_kit import timed
 from longspec_jax.model_shapes import MODEL_SHAPES
-from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
+from longspec_jax.rope import inverse_frequencies, rope_tables
 from pallas_kernels import cache_attention as triton_cache
 from pallas_kernels import cache_attention_mgpu as mgpu_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
 from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
-from pallas_kernels.tree_attention import masked_attention
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -145,27 +146,21 @@ def verify_kernel(config, batch: int, context: int, launch: dict):
     return attend
 
 
-def composite_verify(config, batch: int, context: int, knobs: dict):
-    """The verify's attention with the cache half on the Mosaic GPU kernel, as the model would
-    compose it from the same q|k|v input as `verify_kernel`: XLA rotates q and the new keys and
-    writes the new K/V rows, the Mosaic GPU kernel attends the cache, the Triton masked kernel the
-    tree's own keys, and XLA merges the two by their lse."""
+def model_verify(config, batch: int, context: int):
+    """The verify's attention as the model runs it (`attention.attend_and_write_block`, impl
+    "pallas": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own keys, else
+    the Triton kernel), from the same q|k|v input as `verify_kernel`."""
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
     key_k, key_v = jax.random.split(jax.random.key(1))
     new_k = jax.random.normal(key_k, (batch, T, hkv, d), jnp.bfloat16)
     new_v = jax.random.normal(key_v, (batch, T, hkv, d), jnp.bfloat16)
     positions = context + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
-    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
+    rope = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
     mask = jnp.asarray(random_tree_mask(np.random.default_rng(0), batch, T))
 
     def attend(q, k_cache, v_cache, lengths):
-        qk = rotate(jnp.concatenate([q, new_k], axis=2), cos, sin)
-        q_rot, k_rot = qk[:, :, :hq], qk[:, :, hq:]
-        o_c, lse_c = mgpu_cache.cache_attention(q_rot, k_cache, v_cache, lengths, **knobs)
-        o_s, lse_s = masked_attention(q_rot, k_rot, new_v, mask)
-        k_cache = write_cache_rows(k_cache, k_rot, lengths)
-        v_cache = write_cache_rows(v_cache, new_v, lengths)
-        return merge_attention(o_c, lse_c, o_s, lse_s).astype(q.dtype), k_cache, v_cache
+        qkv = jnp.concatenate([q, new_k, new_v], axis=2).reshape(batch, T, -1)
+        return attend_and_write_block(qkv, rope, k_cache, v_cache, lengths, mask, num_heads=hq, impl="pallas")
 
     return attend
 
@@ -182,15 +177,9 @@ def main(argv=None) -> None:
         default="auto",
         help='block_rows:warps:stages,... of the verify kernel ("auto": the model\'s)',
     )
-    parser.add_argument(
-        "--composite-configs",
-        default="",
-        help="block_keys:stages:splits,... of the Mosaic GPU kernel inside a whole verify attention (composite_verify)",
-    )
     parser.add_argument("--skip-check", action="store_true")
     args = parser.parse_args(argv)
     configs = [c for c in args.mgpu_configs.split(",") if c]
-    composite_configs = [c for c in args.composite_configs.split(",") if c]
     verify_configs = args.verify_configs.split(",")
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} | {jax.devices()[0].device_kind} | jax {jax.__version__}"
@@ -203,7 +192,7 @@ def main(argv=None) -> None:
         "| shape | B | context | K/V MB | GFLOP | floor us | triton cache us | "
         + "".join(f"triton verify {c} us | " for c in verify_configs)
         + "".join(f"mgpu {c} us | " for c in configs)
-        + "".join(f"mgpu verify {c} us | " for c in composite_configs)
+        + "model verify us |"
     )
     for shape in args.shapes.split(","):
         config = MODEL_SHAPES[shape]
@@ -236,10 +225,7 @@ def main(argv=None) -> None:
                         )
                         for c in configs
                     ]
-                    + [
-                        (f"mgpu verify {c}", composite_verify(config, batch, context, parse_config(c)))
-                        for c in composite_configs
-                    ]
+                    + [("model verify", model_verify(config, batch, context))]
                 )
                 times = []
                 for name, attend in attenders:

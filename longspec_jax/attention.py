@@ -11,7 +11,8 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `attend_and_write_block`: a block of new tokens from the packed, un-rotated q|k|v product:
   rotates, writes their K/V rows into the cache and attends the cache plus the block under its
   mask. AR decoding's one token under every impl; under "pallas" a verified tree too, all in the
-  fused kernel, whose outputs include the caches, aliased to its inputs.
+  fused kernel, whose outputs include the caches, aliased to its inputs (a GQA model's 64-token
+  verify on a Hopper GPU: XLA's rotation and row writes, then the Mosaic GPU kernel).
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `attend_and_write_slots`: the draft's inference self-attention, a block of tokens from its
@@ -421,43 +422,45 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
 
 
 def _on_hopper() -> bool:
-    """Whether the kernels run compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA)."""
+    """Whether the kernels run compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA): the
+    default device's (`jax.default_device`, as the kernel counter compiles for a GPU it lacks), else
+    the first device."""
     if flash_block.default_interpret():
         return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper: bool) -> bool:
-    """Whether a verified block's cache half runs on the Mosaic GPU kernel (`cache_attention_mgpu`)
-    instead of inside the Triton hybrid kernel: on a Hopper GPU, for a 64-token block, a 16-bit
-    cache of whole 64-row tiles, a head dim a multiple of 64, and query heads that pair up on a KV
-    head (an even group: Llama-3's and Qwen2.5's GQA), where the Triton kernel is bound by its
-    matrix work (BENCHMARKS.md, "The verify's cache half on Hopper's units")."""
+    """Whether a verified block's attention runs on the Mosaic GPU kernel (`cache_attention_mgpu`)
+    instead of the Triton hybrid kernel: on a Hopper GPU, for a 64-token block, a 16-bit cache of
+    whole 128-row tiles, a head dim a multiple of 64, and query heads that pair up on a KV head (an
+    even group: Llama-3's and Qwen2.5's GQA), where the Triton kernel is bound by its matrix work
+    (BENCHMARKS.md, "The verify's cache half on Hopper's units")."""
     group = num_heads // k_cache.shape[2]
     return (
         on_hopper
         and num_tokens == mgpu_cache.QUERY_ROWS
         and k_cache.dtype in (jnp.bfloat16, jnp.float16)
         and k_cache.shape[3] % 64 == 0
-        and k_cache.shape[1] % 64 == 0
+        and k_cache.shape[1] % mgpu_cache.OWN_ROWS == 0
         and group % 2 == 0
     )
 
 
 def _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask, num_heads, scale):
-    """attend_and_write_block's verify with the cache half on the Mosaic GPU kernel: XLA rotates q
-    and the new keys and writes the block's K/V rows; the Mosaic GPU kernel attends cache rows
-    [0, lengths[b]), the Triton masked kernel the block's own keys; `merge_attention` joins them."""
+    """attend_and_write_block's verify on the Mosaic GPU kernel: XLA rotates q and the new keys and
+    writes the block's K/V rows; the kernel attends cache rows [0, lengths[b]) and, under self_mask,
+    the rows just written."""
     hkv = k_cache.shape[2]
     qkv = qkv.astype(k_cache.dtype)
     qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
-    q, k_new, v_new = qk[:, :, :num_heads], qk[:, :, num_heads:], qkv[:, :, num_heads + hkv :]
-    k_cache = write_cache_rows(k_cache, k_new, lengths)
-    v_cache = write_cache_rows(v_cache, v_new, lengths)
-    block_keys = 128 if k_cache.shape[1] % 128 == 0 else 64
-    o_c, lse_c = _kernel(mgpu_cache.cache_attention, q, k_cache, v_cache, lengths, scale=scale, block_keys=block_keys)
-    o_s, lse_s = masked_attention(q, k_new, v_new, self_mask, scale=scale)
-    return merge_attention(o_c, lse_c, o_s, lse_s), k_cache, v_cache
+    k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
+    v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
+    o, _ = _kernel(
+        mgpu_cache.cache_attention, qk[:, :, :num_heads], k_cache, v_cache, lengths, block_mask=self_mask, scale=scale
+    )
+    return o, k_cache, v_cache
 
 
 def attend_and_write_block(
@@ -474,8 +477,8 @@ def attend_and_write_block(
 
     "pallas": one fused kernel rotates, attends and writes the rows (the caches are its outputs,
     aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels. A
-    64-token verify of a GQA model on a Hopper GPU instead takes its cache half to the Mosaic GPU
-    kernel (`cache_on_hopper_units`).
+    64-token verify of a GQA model on a Hopper GPU instead runs on the Mosaic GPU kernel, the tree's
+    own keys included (`cache_on_hopper_units`).
     "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
     [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")

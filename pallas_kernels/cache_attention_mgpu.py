@@ -17,6 +17,11 @@ The slices are cut from the true length as cache_attention.split_plan cuts them,
 that fills part of its cache loads only the tiles it holds; keys past the length inside a block's
 last tile are masked (only that tile pays for the mask). A slice with no keys writes o = 0 and
 lse = -inf, which the merge weighs 0. The partials are merged in XLA (`merge_partials`).
+
+A verify's tree (`block_mask`): the block's own keys, already written at cache rows [length,
+length + 64), are one more tile of the first slice's ring, the OWN_ROWS rows from `own_tile_start`,
+seen under a bias that XLA builds from the mask (`own_keys_bias`). The model's verify for GQA models
+on Hopper runs here (`attention.cache_on_hopper_units`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,25 @@ from pallas_kernels import flash_block as fb
 from pallas_kernels.cache_attention import split_plan, valid_lengths
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
+OWN_ROWS = 128  # the tile that holds a block's own keys: 64 keys from any row, 64-row aligned
 _LOG2E = math.log2(math.e)
+
+
+def own_tile_start(length, capacity: int):
+    """The first cache row of the tile that holds a block's own keys, rows [length, length + 64):
+    length rounded down to 64 rows (TMA's tiles need aligned rows), and no further than the cache's
+    last OWN_ROWS rows (the caller keeps length + 64 <= capacity, so the keys stay inside)."""
+    return jnp.minimum(lax.div(length, 64) * 64, capacity - OWN_ROWS)
+
+
+def own_keys_bias(block_mask, lengths, capacity: int):
+    """bfloat16 [B, T, OWN_ROWS]: 0 where query t sees the own-keys tile's row (the block's key
+    mask[b, t, j] at tile row j + length - own_tile_start), -inf elsewhere."""
+    b, t, _ = block_mask.shape
+    shift = lengths - own_tile_start(lengths, capacity)
+    padded = jnp.pad(block_mask, ((0, 0), (0, 0), (0, OWN_ROWS - t)))
+    seen = jax.vmap(lambda rows, n: jnp.roll(rows, n, axis=1))(padded, shift)
+    return jnp.where(seen, 0.0, -jnp.inf).astype(jnp.bfloat16)
 
 
 def supports(q, k_cache) -> bool:
@@ -52,7 +75,9 @@ def heads_per_block(q, k_cache) -> int:
     return 2 if (q.shape[2] // k_cache.shape[2]) % 2 == 0 else 1
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair, block_keys, stages, num_splits):
+def _kernel(
+    len_ref, q_ref, k_ref, v_ref, bias_ref, o_ref, lse_ref, scoped, *, scale, pair, block_keys, stages, num_splits
+):
     (q_smems, k_smem, v_smem, lse_smems, p_smems), (q_barriers, k_ready, v_ready), (k_free, v_free), turn = scoped
     heads, split, batch = lax.axis_index("heads"), lax.axis_index("split"), lax.axis_index("batch")
     wg = lax.axis_index("wg")
@@ -62,6 +87,10 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair
     num_tiles, per_split, _ = split_plan(length, num_splits, block_keys)
     first = split * per_split
     steps = jnp.maximum(jnp.minimum(first + per_split, num_tiles) - first, 0)
+    # The first slice also folds the block's own keys (cache rows [length, length + T), under the
+    # mask), as one more tile of the ring: the tile of OWN_ROWS rows from own_tile_start.
+    own = bias_ref is not None
+    total = steps + (jnp.where(split == 0, 1, 0) if own else 0)
     compute_regs, load_regs = _registers(pair)
 
     def take_turn():
@@ -84,63 +113,106 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair
         acc = plgpu.layout_cast(jnp.zeros((QUERY_ROWS, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
         to_log2 = scale * _LOG2E
 
-        @pl.when(steps > 0)
+        @pl.when(total > 0)
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
         pl.when(wg == 1)(take_turn)
 
-        def fold_tile(step, carry, masked):
+        def fold(carry, k_tile, v_tile, p_tile, *, visible, scores_read, values_ready, values_issued):
+            """One key tile into the online softmax (m in log2 units). visible(s): s's scores in log2
+            units, -inf where a key is not seen; the callbacks free and wait on the tile's slots."""
             acc, m, l = carry
-            slot = lax.rem(step, stages)
 
             def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
                 take_turn()
                 return acc_ref[...]
 
-            s = pl.run_scoped(scores, plgpu.ACC((QUERY_ROWS, block_keys), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(key + (first + step) * block_keys < length, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            s = pl.run_scoped(scores, plgpu.ACC((QUERY_ROWS, k_tile.shape[0]), jnp.float32))
+            scores_read()
+            s = visible(s)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(q_smem.dtype)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             if pair == 2:
                 plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
+            values_ready()
             if pair == 2:
                 plgpu.barrier_wait(turn)  # the tensor cores are ours
 
             def values(acc_ref, p):
-                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-                following = step + 1
+                plgpu.wgmma(acc_ref, p, v_tile)
+                values_issued()
 
-                @pl.when(following < steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(following, stages)])
-
-            if p_smems is None:  # the probabilities from registers, into the accumulator as it is
+            if p_tile is None:  # the probabilities from registers, into the accumulator as it is
                 acc = pl.run_state(lambda acc_ref: values(acc_ref, p16))(plgpu.ACC.init(acc))
             else:  # the interpreter: its wgmma reads both operands from shared memory
-                p_smems[wg] = p16
+                p_tile[...] = p16
                 plgpu.commit_smem()
                 acc = acc + pl.run_scoped(
-                    lambda acc_ref: (values(acc_ref, p_smems.at[wg]), acc_ref[...])[1],
+                    lambda acc_ref: (values(acc_ref, p_tile), acc_ref[...])[1],
                     plgpu.ACC(acc.shape, jnp.float32),
                 )
-            plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
+
+        def wait_next_keys(step):
+            following = step + 1
+
+            @pl.when(following < total)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(following, stages)])
+
+        def fold_cache_tile(step, carry, masked):
+            slot = lax.rem(step, stages)
+
+            def visible(s):
+                if masked:  # keys past the length in the block's last tile
+                    key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(key + (first + step) * block_keys < length, s, -jnp.inf)
+                return s * to_log2
+
+            carry = fold(
+                carry,
+                k_smem.at[slot],
+                v_smem.at[slot],
+                None if p_smems is None else p_smems.at[wg],
+                visible=visible,
+                scores_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
+                values_ready=lambda: plgpu.barrier_wait(v_ready.at[slot]),
+                values_issued=functools.partial(wait_next_keys, step),
+            )
+            plgpu.barrier_arrive(v_free.at[slot])
+            return carry
+
+        def fold_own_keys(step, carry):
+            slot = lax.rem(step, stages)
+            bias = plgpu.load(bias_ref.at[batch], layout=plgpu.Layout.WGMMA, optimized=False)
+            carry = fold(
+                carry,
+                k_smem.at[slot],
+                v_smem.at[slot],
+                None if p_smems is None else p_smems.at[wg],
+                visible=lambda s: s * to_log2 + bias.astype(jnp.float32),
+                scores_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
+                values_ready=lambda: plgpu.barrier_wait(v_ready.at[slot]),
+                values_issued=lambda: None,
+            )
+            plgpu.barrier_arrive(v_free.at[slot])
+            return carry
 
         # Every tile but the block's last holds keys below the length only.
         unmasked = jnp.maximum(steps - 1, 0)
-        carry = lax.fori_loop(0, unmasked, functools.partial(fold_tile, masked=False), (acc, m, l))
-        acc, m, l = lax.fori_loop(unmasked, steps, functools.partial(fold_tile, masked=True), carry)
+        carry = lax.fori_loop(0, unmasked, functools.partial(fold_cache_tile, masked=False), (acc, m, l))
+        carry = lax.fori_loop(unmasked, steps, functools.partial(fold_cache_tile, masked=True), carry)
+        if own:
+            carry = lax.fori_loop(steps, total, fold_own_keys, carry)
+        acc, m, l = carry
         pl.when(wg == 0)(take_turn)
 
         held = l > 0
@@ -156,29 +228,27 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair
     def _load():
         plgpu.set_max_registers(load_regs, action="decrease")
 
-        def issue(step, slot):
-            rows = (batch, pl.ds((first + step) * block_keys, block_keys), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        def source(step):
+            row = (first + step) * block_keys
+            if own:  # the tile past the slice's cache tiles holds the block's own keys
+                row = pl.multiple_of(jnp.where(step < steps, row, own_tile_start(length, k_ref.shape[1])), 64)
+            return batch, pl.ds(row, block_keys), kv_head
+
+        def fill(slot):
+            plgpu.copy_gmem_to_smem(k_ref.at[source(slot)], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[source(slot)], v_smem.at[slot], v_ready.at[slot])
 
         for slot in range(stages):
-            pl.when(slot < steps)(functools.partial(issue, slot, slot))
+            pl.when(slot < total)(functools.partial(fill, slot))
 
-        @pl.loop(0, jnp.maximum(steps - stages, 0))
+        @pl.loop(0, jnp.maximum(total - stages, 0))
         def _refill(step):
             slot = lax.rem(step, stages)
+            rows = source(step + stages)
             plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(
-                k_ref.at[batch, pl.ds((first + step + stages) * block_keys, block_keys), kv_head],
-                k_smem.at[slot],
-                k_ready.at[slot],
-            )
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(
-                v_ref.at[batch, pl.ds((first + step + stages) * block_keys, block_keys), kv_head],
-                v_smem.at[slot],
-                v_ready.at[slot],
-            )
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
         # The last use of each slot is waited for too: every phase of a barrier is seen by the
         # warpgroup that waits on it, and the slots are idle when the kernel ends.
@@ -187,21 +257,26 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, scale, pair
             plgpu.barrier_wait(v_free.at[slot])
 
         for slot in range(stages):
-            pl.when(slot < steps)(functools.partial(wait_free, slot))
+            pl.when(slot < total)(functools.partial(wait_free, slot))
 
 
-def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, stages, interpret):
+def _partials(q, k_cache, v_cache, lengths, bias, *, scale, num_splits, block_keys, stages, interpret):
     b, t, hq, d = q.shape
     pair = heads_per_block(q, k_cache)
+    own = bias is not None
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def entry(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(*refs):
+        len_ref, q_ref, k_ref, v_ref = refs[:4]
+        bias_ref = refs[4] if own else None
+        o_ref, lse_ref = refs[-2:]
         pl.run_scoped(
             lambda *scoped: _kernel(
                 len_ref,
                 q_ref,
                 k_ref,
                 v_ref,
+                bias_ref,
                 o_ref,
                 lse_ref,
                 scoped,
@@ -243,7 +318,7 @@ def _partials(q, k_cache, v_cache, lengths, *, scale, num_splits, block_keys, st
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(lengths, q, k_cache, v_cache)
+    )(lengths, q, k_cache, v_cache, *([bias] if own else []))
 
 
 def _registers(pair: int) -> tuple[int, int]:
@@ -281,13 +356,15 @@ def default_num_splits(q, k_cache, block_keys: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_keys", "stages", "interpret"))
-def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, num_splits, block_keys, stages, interpret):
+def _cache_attention(q, k_cache, v_cache, cache_len, block_mask, *, scale, num_splits, block_keys, stages, interpret):
     lengths = valid_lengths(cache_len, k_cache)
+    bias = None if block_mask is None else own_keys_bias(block_mask, lengths, k_cache.shape[1])
     o_parts, lse_parts = _partials(
         q,
         k_cache,
         v_cache,
         lengths,
+        bias,
         scale=scale,
         num_splits=num_splits,
         block_keys=block_keys,
@@ -298,11 +375,23 @@ def _cache_attention(q, k_cache, v_cache, cache_len, *, scale, num_splits, block
 
 
 def cache_attention(
-    q, k_cache, v_cache, cache_len, *, scale=None, num_splits=None, block_keys=128, stages=2, interpret=False
+    q,
+    k_cache,
+    v_cache,
+    cache_len,
+    *,
+    block_mask=None,
+    scale=None,
+    num_splits=None,
+    block_keys=128,
+    stages=2,
+    interpret=False,
 ):
     """q [B,64,Hq,D] against the keys [0, cache_len[b]) of k_cache, v_cache [B,S,Hkv,D] (16-bit, D a
     multiple of 64, S a multiple of block_keys): (o [B,T,Hq,D] in q.dtype, lse float32 [B,Hq,T]).
-    interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
+    block_mask bool[B,T,T]: the queries' own block of keys, already in the cache at rows
+    [cache_len[b], cache_len[b] + T) (the caller keeps that <= S), attended too where True (a verify's
+    tree). interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
     fb.check_grouped_shapes(q, k_cache, v_cache, "cache_attention_mgpu")
     if cache_len.shape != (q.shape[0],):
         raise ValueError(f"cache_attention_mgpu: cache_len must be int32[B={q.shape[0]}], got {cache_len.shape}")
@@ -313,6 +402,11 @@ def cache_attention(
         )
     if k_cache.shape[1] % block_keys:
         raise ValueError(f"cache_attention_mgpu: cache rows {k_cache.shape[1]} not a multiple of {block_keys}")
+    t = q.shape[1]
+    if block_mask is not None and block_mask.shape != (q.shape[0], t, t):
+        raise ValueError(
+            f"cache_attention_mgpu: block_mask must be bool[B,T,T] = {(q.shape[0], t, t)}, got {block_mask.shape}"
+        )
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if num_splits is None:
         num_splits = default_num_splits(q, k_cache, block_keys)
@@ -321,6 +415,7 @@ def cache_attention(
         k_cache,
         v_cache,
         cache_len,
+        block_mask,
         scale=scale,
         num_splits=num_splits,
         block_keys=block_keys,

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cache_attention_mgpu as mgpu
-from pallas_kernels.reference import attention_reference, cache_visibility
+from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
 
 T = mgpu.QUERY_ROWS
 
@@ -48,6 +48,36 @@ def _matches_float64(batch, hq, hkv, d, capacity, lengths, knobs):
     assert np.all(np.isneginf(np.asarray(lse)[~seen])) and np.all(np.asarray(o)[~seen.any(axis=(1, 2))] == 0)
 
 
+def _with_block(rng, batch, hq, hkv, d, capacity, lengths):
+    """Operands with a block of T keys at cache rows [length, length + T) under a tree mask, and the
+    float64 reference over the cache and that block."""
+    q = jnp.asarray(rng.standard_normal((batch, T, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((batch, capacity, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((batch, capacity, hkv, d)), jnp.bfloat16)
+    mask = np.asarray(random_tree_mask(rng, batch, T))
+    visible = np.zeros((batch, T, capacity), bool)
+    for i, n in enumerate(lengths):
+        visible[i, :, :n] = True
+        visible[i, :, n : n + T] = mask[i]
+    return (q, k, v, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)), attention_reference(q, k, v, visible)
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, lengths, knobs",
+    [
+        (4, 1, [0, 300], dict(num_splits=3)),  # a pair; a sequence whose block is all it sees
+        (3, 3, [129, 900], dict(num_splits=2, stages=3)),  # single heads
+    ],
+)
+def test_block_mask_folds_the_queries_own_keys(hq, hkv, lengths, knobs):
+    """The verify's tree: the block's own keys, already written after the cache, under its mask."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        (q, k, v, lens, mask), (ref_o, ref_lse) = _with_block(np.random.default_rng(5), 2, hq, hkv, 64, 1024, lengths)
+        o, lse = mgpu.cache_attention(q, k, v, lens, block_mask=mask, interpret=plgpu.InterpretGPUParams(), **knobs)
+        np.testing.assert_allclose(np.asarray(o, np.float64), ref_o, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=2e-3)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
 @pytest.mark.parametrize(
     "hq, hkv, d, lengths, knobs",
@@ -70,6 +100,15 @@ def test_compiled_matches_float64(hq, hkv, d, lengths, knobs):
     seen = np.isfinite(ref_lse)
     np.testing.assert_allclose(np.asarray(lse, np.float64)[seen], ref_lse[seen], atol=2e-3)
     assert np.all(np.isneginf(np.asarray(lse)[~seen]))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
+@pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (6, 6, 64)])
+def test_compiled_block_mask_matches_float64(hq, hkv, d):
+    (q, k, v, lens, mask), (ref_o, ref_lse) = _with_block(np.random.default_rng(6), 2, hq, hkv, d, 4224, [0, 4133])
+    o, lse = mgpu.cache_attention(q, k, v, lens, block_mask=mask)
+    np.testing.assert_allclose(np.asarray(o, np.float64), ref_o, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=2e-3)
 
 
 def test_merge_weighs_partials_by_their_lse():
