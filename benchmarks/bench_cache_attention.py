@@ -124,23 +124,30 @@ def parse_verify_config(text: str) -> dict:
     return dict(block_rows=block_rows, num_warps=warps, num_stages=stages)
 
 
-def verify_kernel(config, batch: int, context: int, launch: dict):
-    """The model's verify kernel as an attender: RoPE, the cache and the tree's own keys under a
-    random tree mask, their K/V written at rows [context, context + T). Its q|k|v input is the
-    queries with fixed new keys and values appended (one small XLA concatenation a call)."""
-    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+def verify_inputs(config, batch: int, context: int):
+    """What a verify's attention takes beside q and the caches: fixed new keys and values
+    [B,T,Hkv,D], RoPE's (cos, sin) at rows [context, context + T), and a random tree mask."""
+    hkv, d = config.num_kv_heads, config.head_dim
     key_k, key_v = jax.random.split(jax.random.key(1))
     new_k = jax.random.normal(key_k, (batch, T, hkv, d), jnp.bfloat16)
     new_v = jax.random.normal(key_v, (batch, T, hkv, d), jnp.bfloat16)
     positions = context + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
-    cos, sin = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
-    cos, sin = cos.reshape(batch, T, d // 2), sin.reshape(batch, T, d // 2)
+    rope = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
     mask = jnp.asarray(random_tree_mask(np.random.default_rng(0), batch, T))
+    return new_k, new_v, rope, mask
+
+
+def verify_kernel(config, batch: int, context: int, launch: dict):
+    """The model's verify kernel as an attender: RoPE, the cache and the tree's own keys under a
+    random tree mask, their K/V written at rows [context, context + T). Its q|k|v input is the
+    queries with fixed new keys and values appended (one small XLA concatenation a call)."""
+    new_k, new_v, (cos, sin), mask = verify_inputs(config, batch, context)
+    cos, sin = cos.reshape(batch, T, -1), sin.reshape(batch, T, -1)
 
     def attend(q, k_cache, v_cache, lengths):
         qkv = jnp.concatenate([q, new_k, new_v], axis=2)
         return pallas_hybrid.hybrid_attention_and_write(
-            qkv, cos, sin, k_cache, v_cache, lengths, mask, num_heads=hq, **launch
+            qkv, cos, sin, k_cache, v_cache, lengths, mask, num_heads=config.num_heads, **launch
         )
 
     return attend
@@ -149,18 +156,14 @@ def verify_kernel(config, batch: int, context: int, launch: dict):
 def model_verify(config, batch: int, context: int):
     """The verify's attention as the model runs it (`attention.attend_and_write_block`, impl
     "pallas": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own keys, else
-    the Triton kernel), from the same q|k|v input as `verify_kernel`."""
-    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    key_k, key_v = jax.random.split(jax.random.key(1))
-    new_k = jax.random.normal(key_k, (batch, T, hkv, d), jnp.bfloat16)
-    new_v = jax.random.normal(key_v, (batch, T, hkv, d), jnp.bfloat16)
-    positions = context + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
-    rope = rope_tables(positions, jnp.asarray(inverse_frequencies(config)))
-    mask = jnp.asarray(random_tree_mask(np.random.default_rng(0), batch, T))
+    the Triton kernel), from the same inputs as `verify_kernel`."""
+    new_k, new_v, rope, mask = verify_inputs(config, batch, context)
 
     def attend(q, k_cache, v_cache, lengths):
         qkv = jnp.concatenate([q, new_k, new_v], axis=2).reshape(batch, T, -1)
-        return attend_and_write_block(qkv, rope, k_cache, v_cache, lengths, mask, num_heads=hq, impl="pallas")
+        return attend_and_write_block(
+            qkv, rope, k_cache, v_cache, lengths, mask, num_heads=config.num_heads, impl="pallas"
+        )
 
     return attend
 

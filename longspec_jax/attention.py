@@ -452,15 +452,20 @@ def _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask,
     """attend_and_write_block's verify on the Mosaic GPU kernel: XLA rotates q and the new keys and
     writes the block's K/V rows; the kernel attends cache rows [0, lengths[b]) and, under self_mask,
     the rows just written."""
+    q, k_cache, v_cache = _rotate_and_write(qkv.astype(k_cache.dtype), cos, sin, k_cache, v_cache, lengths, num_heads)
+    o, _ = _kernel(mgpu_cache.cache_attention, q, k_cache, v_cache, lengths, block_mask=self_mask, scale=scale)
+    return o, k_cache, v_cache
+
+
+def _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads: int):
+    """XLA's share of attend_and_write_block outside the fused kernel: (rotated q, the caches with
+    the block's rotated k and its v written at rows [lengths[b], lengths[b] + T))."""
     hkv = k_cache.shape[2]
-    qkv = qkv.astype(k_cache.dtype)
+    # q and k rotated together: one elementwise op, the same result (the rotation is per head).
     qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
     k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
     v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
-    o, _ = _kernel(
-        mgpu_cache.cache_attention, qk[:, :, :num_heads], k_cache, v_cache, lengths, block_mask=self_mask, scale=scale
-    )
-    return o, k_cache, v_cache
+    return qk[:, :, :num_heads], k_cache, v_cache
 
 
 def attend_and_write_block(
@@ -483,7 +488,7 @@ def attend_and_write_block(
     [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")
     b, t, width = qkv.shape
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    d = k_cache.shape[3]
     if t != 1 and impl != "pallas":
         raise UserError(
             f"attend_and_write_block takes one token per sequence under impl {impl!r}, got {t}: "
@@ -506,9 +511,6 @@ def attend_and_write_block(
             num_heads=num_heads,
             scale=scale,
         )
-    # q and k rotated together: one elementwise op, the same result (the rotation is per head).
-    qk = rotate(qkv[:, :, : num_heads + hkv], cos, sin)
-    k_cache = write_cache_rows(k_cache, qk[:, :, num_heads:], lengths)
-    v_cache = write_cache_rows(v_cache, qkv[:, :, num_heads + hkv :], lengths)
+    q, k_cache, v_cache = _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads)
     visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
-    return decode_attention(qk[:, :, :num_heads], k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache
+    return decode_attention(q, k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

@@ -41,6 +41,17 @@ def cache_visibility(cache_len, num_queries: int, capacity: int):
     return np.broadcast_to(visible, (cache_len.shape[0], num_queries, capacity))
 
 
+def block_visibility(cache_len, block_mask, capacity: int):
+    """bool [B, T, S]: every query sees cache rows [0, cache_len[b]), and row cache_len[b] + j (the
+    block's own key j, written after the cache) where block_mask[b, t, j]."""
+    block_mask = np.asarray(block_mask)
+    b, t, _ = block_mask.shape
+    visible = np.array(cache_visibility(cache_len, t, capacity))
+    for i, n in enumerate(np.asarray(cache_len)):
+        visible[i, :, n : n + t] = block_mask[i]
+    return visible
+
+
 def random_tree_mask(rng, batch: int, size: int):
     """bool [B, size, size] of random valid trees: node i (parent < i) sees its ancestors and itself."""
     mask = np.zeros((batch, size, size), bool)

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import cache_attention_mgpu as mgpu
-from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
+from pallas_kernels.reference import attention_reference, block_visibility, cache_visibility, random_tree_mask
 
 T = mgpu.QUERY_ROWS
 
@@ -55,11 +55,8 @@ def _with_block(rng, batch, hq, hkv, d, capacity, lengths):
     k = jnp.asarray(rng.standard_normal((batch, capacity, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((batch, capacity, hkv, d)), jnp.bfloat16)
     mask = np.asarray(random_tree_mask(rng, batch, T))
-    visible = np.zeros((batch, T, capacity), bool)
-    for i, n in enumerate(lengths):
-        visible[i, :, :n] = True
-        visible[i, :, n : n + T] = mask[i]
-    return (q, k, v, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)), attention_reference(q, k, v, visible)
+    reference = attention_reference(q, k, v, block_visibility(lengths, mask, capacity))
+    return (q, k, v, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)), reference
 
 
 @pytest.mark.parametrize(
