@@ -5,10 +5,10 @@ matmul's rate, whichever is longer.
 
 Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
 [0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
-Mosaic GPU: one XLA fusion). Beside them, the Triton verify kernel (RoPE, the cache and the tree's
+Mosaic GPU: the same combine kernel). Beside them, the Triton verify kernel (RoPE, the cache and the tree's
 own keys under its mask, the K/V writes, then the combine) and the verify's attention as the model
 runs it ("model verify": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own
-keys, after XLA's rotation and writes; else that Triton kernel), to show what the verify pays beyond
+keys, after the kernel that rotates and writes the rows; else that Triton kernel), to show what the verify pays beyond
 the cache. Timed in a device loop whose iteration calls the kernel once per
 layer, each layer with its own cache, each call's output the next call's queries. Correctness
 against float64 first, at shapes off the tile grid.

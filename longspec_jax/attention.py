@@ -45,6 +45,7 @@ from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels import cache_attention_mgpu as mgpu_cache
 from pallas_kernels import flash_block
 from pallas_kernels import hybrid_attention as pallas_hybrid
+from pallas_kernels import rotate_and_write as pallas_rotate
 from pallas_kernels import tree_attention as pallas_tree
 
 __all__ = [
@@ -434,25 +435,35 @@ def _on_hopper() -> bool:
 def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper: bool) -> bool:
     """Whether a verified block's attention runs on the Mosaic GPU kernel (`cache_attention_mgpu`)
     instead of the Triton hybrid kernel: on a Hopper GPU, for a 64-token block, a 16-bit cache of
-    whole 128-row tiles, a head dim a multiple of 64, and query heads that pair up on a KV head (an
-    even group: Llama-3's and Qwen2.5's GQA), where the Triton kernel is bound by its matrix work
-    (BENCHMARKS.md, "The verify's cache half on Hopper's units")."""
-    group = num_heads // k_cache.shape[2]
+    whole 128-row tiles, a head dim a power of two and a multiple of 64, and blocks that fill the
+    GPU in one wave or better: query heads that pair up on a KV head (an even group: Llama-3's GQA),
+    or, at head dim 128, one head a block where the batch's heads are no more than the GPU's SMs
+    (MHA's and odd groups' blocks come in whole waves of slices only up to there: QwQ-32B's 40 heads
+    at batch 4 ran slower here than on the Triton kernel). A small model's verified layer (SmolLM2:
+    head dim 64, a group of 3) is bound by how many kernels it runs, and this route runs one more
+    than the fused Triton kernel. BENCHMARKS.md, "The verify's cache half on Hopper's units" and
+    "The Hopper route for MHA and odd groups"."""
+    batch, _, num_kv_heads, head_dim = k_cache.shape
+    pairs = (num_heads // num_kv_heads) % 2 == 0
+    one_wave_of_heads = head_dim >= 128 and batch * num_heads <= flash_block.NUM_SMS
     return (
         on_hopper
         and num_tokens == mgpu_cache.QUERY_ROWS
         and k_cache.dtype in (jnp.bfloat16, jnp.float16)
-        and k_cache.shape[3] % 64 == 0
+        and head_dim % 64 == 0
+        and pallas_rotate.supports(head_dim)
         and k_cache.shape[1] % mgpu_cache.OWN_ROWS == 0
-        and group % 2 == 0
+        and (pairs or one_wave_of_heads)
     )
 
 
-def _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask, num_heads, scale):
-    """attend_and_write_block's verify on the Mosaic GPU kernel: XLA rotates q and the new keys and
-    writes the block's K/V rows; the kernel attends cache rows [0, lengths[b]) and, under self_mask,
-    the rows just written."""
-    q, k_cache, v_cache = _rotate_and_write(qkv.astype(k_cache.dtype), cos, sin, k_cache, v_cache, lengths, num_heads)
+def _verify_on_hopper_units(packed, self_mask, num_heads, scale):
+    """attend_and_write_block's verify on the Mosaic GPU kernel: a Triton kernel rotates q and the new
+    keys and writes the block's K/V rows; the Mosaic GPU kernel attends cache rows [0, lengths[b]) and,
+    under self_mask, the rows just written; split_combine merges its slices. packed: the fused
+    kernel's first operands (qkv, cos, sin, k_cache, v_cache, lengths)."""
+    q, k_cache, v_cache = _kernel(pallas_rotate.rotate_and_write, *packed, num_heads=num_heads)
+    lengths = packed[-1]
     o, _ = _kernel(mgpu_cache.cache_attention, q, k_cache, v_cache, lengths, block_mask=self_mask, scale=scale)
     return o, k_cache, v_cache
 
@@ -482,8 +493,8 @@ def attend_and_write_block(
 
     "pallas": one fused kernel rotates, attends and writes the rows (the caches are its outputs,
     aliased to its inputs), then the Pallas combine: no slice, rotation or cache-write kernels. A
-    64-token verify of a GQA model on a Hopper GPU instead runs on the Mosaic GPU kernel, the tree's
-    own keys included (`cache_on_hopper_units`).
+    64-token verify on a Hopper GPU instead runs on the Mosaic GPU kernel, the tree's own keys
+    included (`cache_on_hopper_units`).
     "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
     [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")
@@ -496,21 +507,18 @@ def attend_and_write_block(
         )
     qkv = qkv.reshape(b, t, width // d, d)
     cos, sin = rope
-    if impl == "pallas" and cache_on_hopper_units(t, num_heads, k_cache, on_hopper=_on_hopper()):
-        return _verify_on_hopper_units(qkv, cos, sin, k_cache, v_cache, lengths, self_mask, num_heads, scale)
     if impl == "pallas":
-        return _kernel(
-            pallas_hybrid.hybrid_attention_and_write,
+        packed = (
             qkv.astype(k_cache.dtype),
             cos.reshape(b, t, d // 2),
             sin.reshape(b, t, d // 2),
             k_cache,
             v_cache,
             lengths,
-            self_mask,
-            num_heads=num_heads,
-            scale=scale,
         )
+        if cache_on_hopper_units(t, num_heads, k_cache, on_hopper=_on_hopper()):
+            return _verify_on_hopper_units(packed, self_mask, num_heads, scale)
+        return _kernel(pallas_hybrid.hybrid_attention_and_write, *packed, self_mask, num_heads=num_heads, scale=scale)
     q, k_cache, v_cache = _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads)
     visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
     return decode_attention(q, k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

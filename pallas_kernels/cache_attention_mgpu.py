@@ -16,7 +16,8 @@ of a group of four read the same tiles one after the other, mostly from the L2.
 The slices are cut from the true length as cache_attention.split_plan cuts them, so a sequence
 that fills part of its cache loads only the tiles it holds; keys past the length inside a block's
 last tile are masked (only that tile pays for the mask). A slice with no keys writes o = 0 and
-lse = -inf, which the merge weighs 0. The partials are merged in XLA (`merge_partials`).
+lse = -inf, which the merge weighs 0. The partials are merged by split_combine's Triton kernel, each
+query head's rows a group of their own.
 
 A verify's tree (`block_mask`): the block's own keys, already written at cache rows [length,
 length + 64), are one more tile of the first slice's ring, the OWN_ROWS rows from `own_tile_start`,
@@ -37,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import flash_block as fb
 from pallas_kernels.cache_attention import split_plan, valid_lengths
+from pallas_kernels.split_combine import combine_splits
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
 OWN_ROWS = 128  # the tile that holds a block's own keys: 64 keys from any row, 64-row aligned
@@ -334,20 +336,6 @@ def _registers(pair: int) -> tuple[int, int]:
     return min(232, (start * warpgroups - load) // pair // 8 * 8), load
 
 
-def merge_partials(o_parts, lse_parts, out_dtype):
-    """(o [B,T,Hq,D] in out_dtype, lse float32 [B,Hq,T]) from partials o [B,Hq,P,T,D], lse [B,Hq,P,T]
-    (natural log; -inf where a slice held no keys). split_combine's kernel does this merge for the
-    Triton kernels, but for their float32 partials in grouped rows [B,Hkv,P,T*G,D]; these are each
-    query head's own TMA tiles."""
-    top = jnp.max(lse_parts, axis=2, keepdims=True)
-    safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse_parts - safe_top)
-    total = jnp.sum(w, axis=2)
-    o = jnp.einsum("bhpt,bhptd->bhtd", w, o_parts.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, safe_top[:, :, 0] + jnp.log(total), -jnp.inf)
-    return o.transpose(0, 2, 1, 3).astype(out_dtype), lse
-
-
 def default_num_splits(q, k_cache, block_keys: int) -> int:
     """One wave of blocks (a block fills an SM's registers), no more slices than a full cache has
     tiles."""
@@ -371,7 +359,17 @@ def _cache_attention(q, k_cache, v_cache, cache_len, block_mask, *, scale, num_s
         stages=stages,
         interpret=interpret,
     )
-    return merge_partials(o_parts, lse_parts, q.dtype)
+    # Each query head's partials are rows of their own: split_combine's kernel with a group of one.
+    parts = jnp.full((q.shape[0],), num_splits, jnp.int32)
+    return combine_splits(
+        o_parts,
+        lse_parts,
+        parts,
+        num_queries=q.shape[1],
+        out_dtype=q.dtype,
+        with_lse=True,
+        interpret=interpret is not False,
+    )
 
 
 def cache_attention(

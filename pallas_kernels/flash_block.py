@@ -114,6 +114,29 @@ def store_query_rows(o_ref, query, head, row_ok, o):
     plgpu.store(_at_query_rows(o_ref, query, head), o.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
+def load_rotated(ref, tokens, heads, cos_ref, sin_ref, ok):
+    """Rows (tokens[r], heads[r]) of ref [T, H, D] rotated by RoPE rows tokens of cos_ref, sin_ref
+    [T, D/2], in ref's dtype; rows not ok read as 0. As rope.rotate: out[:D/2] = x1 cos - x2 sin,
+    out[D/2:] = x2 cos + x1 sin, in float32. Each element's partner (x2 for x1, x1 for x2) is a
+    second load at shifted columns: Triton tiles cannot be split or joined along D."""
+    d = ref.shape[-1]
+    half = d // 2
+    cols = jnp.arange(d, dtype=jnp.int32)
+    partner_cols = lax.rem(cols + half, jnp.int32(d))
+    freq_cols = lax.rem(cols, jnp.int32(half))
+    rows_ok = ok[:, None]
+
+    def load(indexed):
+        return plgpu.load(indexed, mask=rows_ok, other=0.0).astype(jnp.float32)
+
+    x = load(ref.at[tokens[:, None], heads[:, None], cols[None, :]])
+    partner = load(ref.at[tokens[:, None], heads[:, None], partner_cols[None, :]])
+    cos = load(cos_ref.at[tokens[:, None], freq_cols[None, :]])
+    sin = load(sin_ref.at[tokens[:, None], freq_cols[None, :]])
+    sign = jnp.where(cols < half, jnp.float32(-1.0), jnp.float32(1.0))
+    return (x * cos + partner * sign[None, :] * sin).astype(ref.dtype)
+
+
 def load_rows(ref, start, size: int, valid_rows):
     """A [size, D] tile of rows [start, start + size); rows outside valid_rows read as 0 (never NaN)."""
     return plgpu.load(ref.at[pl.ds(start, size), :], mask=valid_rows[:, None], other=0.0)

@@ -43,29 +43,6 @@ from pallas_kernels import flash_block as fb
 from pallas_kernels.split_combine import combine_splits
 
 
-def _load_rotated(ref, tokens, heads, cos_ref, sin_ref, ok):
-    """Rows (tokens[r], heads[r]) of ref [T, H, D] rotated by RoPE rows tokens of cos_ref, sin_ref
-    [T, D/2], in ref's dtype; rows not ok read as 0. As rope.rotate: out[:D/2] = x1 cos - x2 sin,
-    out[D/2:] = x2 cos + x1 sin, in float32. Each element's partner (x2 for x1, x1 for x2) is a
-    second load at shifted columns: Triton tiles cannot be split or joined along D."""
-    d = ref.shape[-1]
-    half = d // 2
-    cols = jnp.arange(d, dtype=jnp.int32)
-    partner_cols = lax.rem(cols + half, jnp.int32(d))
-    freq_cols = lax.rem(cols, jnp.int32(half))
-    rows_ok = ok[:, None]
-
-    def load(indexed):
-        return plgpu.load(indexed, mask=rows_ok, other=0.0).astype(jnp.float32)
-
-    x = load(ref.at[tokens[:, None], heads[:, None], cols[None, :]])
-    partner = load(ref.at[tokens[:, None], heads[:, None], partner_cols[None, :]])
-    cos = load(cos_ref.at[tokens[:, None], freq_cols[None, :]])
-    sin = load(sin_ref.at[tokens[:, None], freq_cols[None, :]])
-    sign = jnp.where(cols < half, jnp.float32(-1.0), jnp.float32(1.0))
-    return (x * cos + partner * sign[None, :] * sin).astype(ref.dtype)
-
-
 def _hybrid_kernel(
     len_ref,
     q_ref,
@@ -102,7 +79,7 @@ def _hybrid_kernel(
     rows_active = row_ok & (new_keys | (cache_split < used))
     if packed_heads:
         cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
-        q = _load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
+        q = fb.load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
         num_heads, num_kv_heads = packed_heads
     else:
         k_new_ref, v_new_ref, mask_ref, o_ref, lse_ref = refs
@@ -119,7 +96,7 @@ def _hybrid_kernel(
         key_ok = keys < num_new
         if packed_heads:
             k_head = jnp.full((new_block_keys,), num_heads, jnp.int32) + kv_head
-            k = _load_rotated(q_ref, keys, k_head, cos_ref, sin_ref, key_ok)
+            k = fb.load_rotated(q_ref, keys, k_head, cos_ref, sin_ref, key_ok)
             cols = jnp.arange(q_ref.shape[-1])[None, :]
             v_rows = q_ref.at[keys[:, None], (k_head + num_kv_heads)[:, None], cols]
             v = plgpu.load(v_rows, mask=key_ok[:, None], other=0.0)

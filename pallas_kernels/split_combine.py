@@ -84,7 +84,7 @@ def _combine_kernel(
 
 @functools.partial(jax.jit, static_argnames=("num_queries", "out_dtype", "with_lse", "interpret"))
 def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtype, with_lse: bool, interpret: bool):
-    """Merges partials o [B, Hkv, P, T * G, D] float32 and lse [B, Hkv, P, T * G] over their first
+    """Merges partials o [B, Hkv, P, T * G, D] (float32 or 16-bit) and lse [B, Hkv, P, T * G] over their first
     parts_used[b] (int32 [B], at most P) slots; what the other slots hold is never read.
 
     Rows are in flash_block's order (row t * G + g of KV head h is query t of head h * G + g).

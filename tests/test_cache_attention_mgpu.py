@@ -108,18 +108,6 @@ def test_compiled_block_mask_matches_float64(hq, hkv, d):
     np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=2e-3)
 
 
-def test_merge_weighs_partials_by_their_lse():
-    rng = np.random.default_rng(1)
-    o_parts = rng.standard_normal((1, 2, 3, T, 8)).astype(np.float32)
-    lse_parts = rng.standard_normal((1, 2, 3, T)).astype(np.float32)
-    lse_parts[:, :, 2] = -np.inf  # a slice that held no keys
-    o, lse = mgpu.merge_partials(jnp.asarray(o_parts), jnp.asarray(lse_parts), jnp.float32)
-    w = np.exp(lse_parts.astype(np.float64))
-    expected = (w[..., None] * o_parts).sum(axis=2) / w.sum(axis=2)[..., None]
-    np.testing.assert_allclose(np.asarray(o), expected.transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse), np.log(w.sum(axis=2)), rtol=1e-5)
-
-
 @pytest.mark.parametrize("q_shape, dtype", [((1, 16, 2, 64), jnp.bfloat16), ((1, 64, 2, 64), jnp.float32)])
 def test_rejects_operands_it_does_not_take(q_shape, dtype):
     q = jnp.zeros(q_shape, dtype)

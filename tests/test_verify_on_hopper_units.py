@@ -19,20 +19,25 @@ T = mgpu_cache.QUERY_ROWS
 
 
 @pytest.mark.parametrize(
-    "tokens, hq, hkv, d, rows, dtype, on_hopper, taken",
+    "batch, tokens, hq, hkv, d, rows, dtype, on_hopper, taken",
     [
-        (64, 32, 8, 128, 32896, jnp.bfloat16, True, True),  # Llama-3-8B
-        (64, 28, 4, 128, 4096, jnp.bfloat16, True, False),  # Qwen2.5-7B's group of 7: no pairs
-        (64, 32, 32, 128, 4096, jnp.bfloat16, True, False),  # MHA: no pairs
-        (64, 32, 8, 128, 32896, jnp.bfloat16, False, False),  # not a Hopper GPU
-        (63, 32, 8, 128, 4096, jnp.bfloat16, True, False),  # a tree of another size
-        (64, 32, 8, 128, 4096, jnp.float32, True, False),  # a float32 cache
-        (64, 32, 8, 128, 4160, jnp.bfloat16, True, False),  # rows off the 128-row tiles
-        (64, 8, 2, 64, 8192, jnp.float16, True, True),
+        (1, 64, 32, 8, 128, 32896, jnp.bfloat16, True, True),  # Llama-3-8B: head pairs
+        (8, 64, 32, 8, 128, 32896, jnp.bfloat16, True, True),  # pairs at any batch
+        (1, 64, 28, 4, 128, 4096, jnp.bfloat16, True, True),  # Qwen2.5-7B's group of 7: one head a block
+        (1, 64, 32, 32, 128, 4096, jnp.bfloat16, True, True),  # MHA (Vicuna-7B)
+        (4, 64, 32, 32, 128, 4096, jnp.bfloat16, True, True),  # 128 one-head blocks: one wave
+        (4, 64, 40, 8, 128, 4096, jnp.bfloat16, True, False),  # QwQ-32B at batch 4: 160 blocks
+        (1, 64, 32, 8, 128, 32896, jnp.bfloat16, False, False),  # not a Hopper GPU
+        (1, 63, 32, 8, 128, 4096, jnp.bfloat16, True, False),  # a tree of another size
+        (1, 64, 32, 8, 128, 4096, jnp.float32, True, False),  # a float32 cache
+        (1, 64, 32, 8, 128, 4160, jnp.bfloat16, True, False),  # rows off the 128-row tiles
+        (1, 64, 16, 8, 192, 4096, jnp.bfloat16, True, False),  # a head dim off the powers of two
+        (1, 64, 8, 2, 64, 8192, jnp.float16, True, True),
+        (1, 64, 9, 3, 64, 8192, jnp.bfloat16, True, False),  # SmolLM2: one head a block at head dim 64
     ],
 )
-def test_route_taken_only_where_the_kernel_applies(tokens, hq, hkv, d, rows, dtype, on_hopper, taken):
-    k_cache = jax.ShapeDtypeStruct((1, rows, hkv, d), dtype)
+def test_route_taken_only_where_the_kernel_applies(batch, tokens, hq, hkv, d, rows, dtype, on_hopper, taken):
+    k_cache = jax.ShapeDtypeStruct((batch, rows, hkv, d), dtype)
     assert attention.cache_on_hopper_units(tokens, hq, k_cache, on_hopper=on_hopper) is taken
 
 
@@ -75,9 +80,10 @@ def _check(got, want):
     np.testing.assert_array_equal(np.asarray(v_out, np.float64), v_want)
 
 
-def test_route_matches_float64_in_the_interpreter(monkeypatch):
-    """Both compute warpgroups of a pair (group 4), a sequence in the first tile and one over four
-    64-row tiles; the route is forced, its kernel run by the interpreter."""
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (6, 2, 128)])  # head pairs (group 4), one head a block (3)
+def test_route_matches_float64_in_the_interpreter(monkeypatch, hq, hkv, d):
+    """A sequence in the first tile and one over four 64-row tiles; the route is forced, its kernel
+    run by the interpreter."""
     calls = []
     compiled = mgpu_cache.cache_attention
 
@@ -89,14 +95,15 @@ def test_route_matches_float64_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(mgpu_cache, "cache_attention", interpreted)
     monkeypatch.setattr(flash_block, "default_interpret", lambda: True)  # the Triton kernels too
     with jax.default_device(jax.devices("cpu")[0]):  # the interpreter runs on the CPU, GPU or not
-        got, want = _verify(0, [37, 250], capacity=384)
+        got, want = _verify(0, [37, 250], capacity=384, hq=hq, hkv=hkv, d=d)
     assert calls == [True]  # the route ran, the block's own keys inside the kernel
     _check(got, want)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
-def test_route_matches_float64_compiled():
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (32, 32), (40, 8)])  # head pairs, MHA, a group of 5
+def test_route_matches_float64_compiled(hq, hkv):
     if not attention._on_hopper():
         pytest.skip("not a Hopper GPU")
-    got, want = _verify(1, [0, 3001, 8000], capacity=8192, hq=32, hkv=8, d=128)
+    got, want = _verify(1, [0, 3001, 8000], capacity=8192, hq=hq, hkv=hkv, d=128)
     _check(got, want)
