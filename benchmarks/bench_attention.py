@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import floors
 from longspec_jax import attention
 from pallas_kernels import cache_attention as pallas_cache
 from pallas_kernels import hybrid_attention as pallas_hybrid
@@ -67,55 +67,6 @@ TUNE_CONFIGS = [
 
 def log(*parts):
     print(*parts, flush=True)
-
-
-# ---------------------------------------------------------------- timing and ceilings
-
-
-def time_call(fn, input_sets, groups: int = 7) -> float:
-    """Median seconds per call over `groups` groups of back-to-back calls (compile + warm-up first).
-
-    Calls within a group are dispatched asynchronously, one jitted call each, cycling through the
-    input sets, so host dispatch overlaps the GPU work of earlier calls. (Batching several calls
-    into one jitted program was tried and rejected: XLA merged the calls that shared an input set,
-    and timings came out up to 2x too fast.)
-    """
-    jax.block_until_ready(fn(*input_sets[0]))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*input_sets[1 % len(input_sets)]))
-    estimate = time.perf_counter() - start
-    calls = max(2, min(40, int(0.02 / max(estimate, 1e-6))))
-    samples = []
-    for g in range(groups):
-        start = time.perf_counter()
-        for i in range(calls):
-            out = fn(*input_sets[(g * calls + i) % len(input_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
-
-
-def measure_ceilings():
-    """(bandwidth in bytes/s, bf16 matmul FLOP/s) on this device. The bandwidth is the better of a
-    large copy (bytes read + written) and a large read-only reduction: attention only reads K/V,
-    and reads alone stream faster than a copy's mix."""
-    keys = jax.random.split(jax.random.key(0), 3)
-    big = [jax.random.normal(k, (1 << 30,), DTYPE) for k in keys[:2]]  # 2 GiB each
-    copy_rate = 2 * big[0].nbytes / time_call(jax.jit(lambda x: x + 1), [(x,) for x in big])
-    read_rate = big[0].nbytes / time_call(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), [(x,) for x in big])
-    log(f"bandwidth: copy {copy_rate / 1e12:.2f} TB/s (read + write), read-only sum {read_rate / 1e12:.2f} TB/s")
-    bandwidth = max(copy_rate, read_rate)
-    del big
-    n = 8192
-    mats = [
-        (
-            jax.random.normal(jax.random.fold_in(keys[2], i), (n, n), DTYPE),
-            jax.random.normal(jax.random.fold_in(keys[2], 10 + i), (n, n), DTYPE),
-        )
-        for i in range(2)
-    ]
-    t_mm = time_call(jax.jit(jnp.matmul), mats)
-    return bandwidth, 2 * n**3 / t_mm
 
 
 # ---------------------------------------------------------------- the four methods
@@ -269,7 +220,7 @@ def tune(t, s, hkv, b):
     for config in TUNE_CONFIGS:
         fn = jax.jit(functools.partial(hybrid_pallas_config, config=config))
         try:
-            sec = time_call(fn, sets)
+            sec = floors.time_call(fn, sets)
         except Exception as err:  # a config Triton rejects is reported, not fatal
             log(f"  tune {config}: failed {type(err).__name__}: {str(err)[:200]}")
             continue
@@ -304,7 +255,7 @@ def bench_shape(b, t, hkv, s, bandwidth, flops_rate, configs, breakdown=False):
     row = {}
     for name, (fn, args) in fns.items():
         try:
-            row[name] = time_call(fn, args)
+            row[name] = floors.time_call(fn, args)
         except Exception as err:
             log(f"  {name} B={b} T={t} Hkv={hkv} S={s}: failed {type(err).__name__}: {str(err)[:300]}")
             row[name] = None
@@ -392,7 +343,8 @@ def main(argv=None):
     device = jax.devices()[0]
     log(f"device {device.device_kind}, jax {jax.__version__}, default_impl={attention.default_impl()}")
 
-    bandwidth, flops_rate = measure_ceilings()
+    rates = floors.measure_rates()
+    bandwidth, flops_rate = rates.bandwidth, rates.matmul
     log(f"ceilings: bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
 
     batches, kv_heads = parse_ints(args.batches), parse_ints(args.kv_heads)

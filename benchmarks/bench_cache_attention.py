@@ -4,14 +4,14 @@ better of a copy's and a reduction's rate, or the matrix work (4 T Hq D context 
 matmul's rate, whichever is longer.
 
 Both kernels take T = 64 queries (the default tree's 63 nodes and the root) against keys
-[0, context) of a cache; each time includes the merge of the partials (Triton: its combine kernel;
-Mosaic GPU: the same combine kernel). Beside them, the Triton verify kernel (RoPE, the cache and the tree's
-own keys under its mask, the K/V writes, then the combine) and the verify's attention as the model
-runs it ("model verify": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own
-keys, after the kernel that rotates and writes the rows; else that Triton kernel), to show what the verify pays beyond
-the cache. Timed in a device loop whose iteration calls the kernel once per
-layer, each layer with its own cache, each call's output the next call's queries. Correctness
-against float64 first, at shapes off the tile grid.
+[0, context) of a cache; each time includes the merge of the partials (split_combine's kernel for
+both). Beside them, the Triton verify kernel (RoPE, the cache and the tree's own keys under its
+mask, the K/V writes, then the combine) and the verify's attention as the model runs it ("model
+verify": on a Hopper GPU, where `attention.cache_on_hopper_units` takes the shape, the kernel that
+rotates and writes the rows, then the Mosaic GPU kernel with the tree's own keys; else that Triton
+kernel), to show what the verify pays beyond the cache. Timed in a device loop whose iteration calls
+the kernel once per layer, each layer with its own cache, each call's output the next call's
+queries. Correctness against float64 first, at shapes off the tile grid.
 
 One layer is the default: with eight, the loop holding the Mosaic GPU kernel did not finish in
 minutes on the H200 (not understood yet). With one, a cache smaller than the L2 (60 MB; at 4k
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_attention import measure_ceilings
+from benchmarks import floors
 from longspec_jax.attention import attend_and_write_block
 from longspec_jax.decode_kit import timed
 from longspec_jax.model_shapes import MODEL_SHAPES
@@ -155,8 +155,8 @@ def verify_kernel(config, batch: int, context: int, launch: dict):
 
 def model_verify(config, batch: int, context: int):
     """The verify's attention as the model runs it (`attention.attend_and_write_block`, impl
-    "pallas": on a Hopper GPU and a GQA shape the Mosaic GPU kernel with the tree's own keys, else
-    the Triton kernel), from the same inputs as `verify_kernel`."""
+    "pallas": the Mosaic GPU route where `attention.cache_on_hopper_units` takes the shape, else the
+    Triton kernel), from the same inputs as `verify_kernel`."""
     new_k, new_v, rope, mask = verify_inputs(config, batch, context)
 
     def attend(q, k_cache, v_cache, lengths):
@@ -189,7 +189,8 @@ def main(argv=None) -> None:
     )
     if not args.skip_check:
         check(configs)
-    rate, matmul_rate = measure_ceilings()
+    rates = floors.measure_rates()
+    rate, matmul_rate = rates.bandwidth, rates.matmul
     print(f"read rate {rate / 1e9:.0f} GB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
     print(
         "| shape | B | context | K/V MB | GFLOP | floor us | triton cache us | "

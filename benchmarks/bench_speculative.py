@@ -12,11 +12,14 @@ matmul cost do not depend on the values) it times, with a random draft (bf16) an
     `round_profile.profile_round`), per repetition: the paper's Table 5 analogue. "parts" is their
     sum, printed next to the round so the two can be seen to agree (each part adds 1/--rounds of
     a launch and host sync, and loses fusion across its boundaries);
-  - AR: the same loop in mode ar, per step at the same context, beside its bytes floor (weights
-    + the K/V rows it attends, at the device-to-device copy rate measured in the same run);
-  - the draft's floor: what its steps must read (per step the block's weights, the shared LM head
-    and the target's last-layer K/V it cross-attends), at the same rate; and the verify against
-    the AR step, whose bytes it reads once more.
+  - AR: the same loop in mode ar, per step at the same context.
+Beside each time its floor (`benchmarks.floors`: each part's bytes at the memory rate and its matrix
+work at the matmul rate, the longer of the two, both rates measured in the same run): the AR step's
+and the verify's (the products' weights and the cache's K/V; the verify's 64 rows a sequence make
+its attention bound by the matrix work at a GQA model's long context), and the draft's (per level
+the block's weights, the shared LM head and the target's last-layer K/V it cross-attends). The
+round's floor is the draft's and the verify's together: "fl r/AR", that floor against the AR step's,
+is the round / AR ratio this design can reach at best.
 --trace DIR also records one more run of each loop under the profiler and prints where its GPU time
 goes per round (or step) by kernel class and the kernels that took most (`trace_round`'s summary).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
@@ -41,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.decode_kernels import ar_step_bytes, copy_bandwidth, with_vocabulary
+from benchmarks import floors
+from benchmarks.decode_kernels import with_vocabulary
 from benchmarks.trace_round import print_summary, print_top, summarise
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
@@ -54,7 +58,7 @@ from longspec_jax.proposers import NoProposal, proposer_for
 from longspec_jax.round_profile import profile_round
 from longspec_jax.sampling import SamplingParams
 from longspec_jax.target import random_target
-from longspec_jax.tree import DEFAULT_WIDTHS, num_nodes
+from longspec_jax.tree import DEFAULT_WIDTHS, lookup_widths, num_nodes
 
 SHAPES = {
     "vicuna7b": timing_shape("vicuna7b", 131072),
@@ -86,20 +90,17 @@ class Row:
     parts_sum_ms: float = float("nan")
     ar_ms: float = float("nan")
     ar_floor_ms: float = float("nan")
+    verify_floor_ms: float = float("nan")
     draft_floor_ms: float = float("nan")
     draft_cache_mib: float = float("nan")
     error: str = ""
 
 
-def draft_round_bytes(model, draft, context: int, batch: int, depth: int) -> int:
-    """Bytes the draft's `depth` steps of a round must read: each step the block's weights, the
-    shared LM head (the rows of its candidate tokens, if it has them) and the target's last-layer
-    K/V at `context` rows a sequence (the ring, at most the window's rows of one layer, left out)."""
-    c = model.config
-    itemsize = jnp.dtype(model.dtype).itemsize
-    rows = c.vocab_size if draft.candidate_tokens is None else len(draft.candidate_tokens)
-    kv = 2 * batch * context * c.num_kv_heads * c.head_dim * itemsize
-    return depth * (cache_bytes(nnx.state(draft.block)) + rows * c.hidden_size * itemsize + kv)
+def draft_round_seconds(model, draft, widths, context: int, batch: int, rates) -> float:
+    """The floor of a round's draft levels: level i runs the nodes of depth i (the root alone first)
+    and proposes the next depth's."""
+    rows = (1, *widths[:-1])
+    return sum(floors.draft_level_seconds(model, draft, r, context, batch, rates) for r in rows)
 
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
@@ -222,8 +223,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
         f"| jax {jax.__version__}"
     )
-    bandwidth = copy_bandwidth(1 << 24 if args.small else 1 << 30)
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write): the AR step's bytes floor")
+    rates = floors.measure_rates(small=args.small)
+    print(f"floors at {rates.bandwidth / 1e9:.0f} GB/s and {rates.matmul / 1e12:.0f} TFLOP/s (bf16 matmul)")
     rows = []
     for shape in shapes:
         t0 = time.perf_counter()
@@ -243,8 +244,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
             for vocabulary in args.candidate_tokens.split(","):
                 row = Row(shape, context, vocabulary)
                 cut = with_vocabulary(draft, vocabulary)
-                row.ar_floor_ms = 1e3 * ar_step_bytes(model, context, args.batch) / bandwidth
-                row.draft_floor_ms = 1e3 * draft_round_bytes(model, cut, context, args.batch, len(widths)) / bandwidth
+                row.ar_floor_ms = 1e3 * floors.step_seconds(model, 1, context, args.batch, rates)
+                row.draft_floor_ms = 1e3 * draft_round_seconds(model, cut, widths, context, args.batch, rates)
+                verified = num_nodes(lookup_widths(widths, args.lookup_tokens))  # the tree's rows and the root
+                row.verify_floor_ms = 1e3 * floors.step_seconds(model, verified, context, args.batch, rates)
                 try:
                     row.round_ms, parts, draft_bytes = bench_longspec(
                         target,
@@ -290,23 +293,27 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"PROJECTED speedup = AR ms / (round ms / tau), tau = {args.tau} assumed, not measured."
     )
     print("parts = draft + verify + accept as separate in-place programs, per round: it should be close to round ms.")
-    print("dr fl: the draft's bytes floor per round; ver/AR: the verify against the AR step (it reads as much).")
+    print(
+        "fl: the floor beside each time (benchmarks.floors); ver/AR: the verify against the AR step; "
+        "fl r/AR: the round's floor (draft + verify) against the AR step's."
+    )
     print(
         f"{'shape':<13}{'context':>8}{'cands':>7}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}"
-        f"{'verify':>8}"
-        f"{'ver/AR':>7}{'accept':>8}{'AR ms':>8}{'floor':>8}{'AR/fl':>7}{'rnd/AR':>8}{'AR tok/s':>10}{'proj. x':>9}"
-        f"{'draft MiB':>11}"
+        f"{'verify':>8}{'ver fl':>8}{'ver/fl':>7}{'ver/AR':>7}{'accept':>8}{'AR ms':>8}{'AR fl':>7}{'AR/fl':>7}"
+        f"{'rnd/AR':>8}{'fl r/AR':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
             print(f"{r.shape:<13}{r.context:>8}{r.candidates:>7}  failed: {r.error}")
             continue
+        round_floor = r.draft_floor_ms + r.verify_floor_ms
         print(
             f"{r.shape:<13}{r.context:>8}{r.candidates:>7}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
             f"{r.draft_floor_ms:>7.2f}{r.draft_ms / r.draft_floor_ms:>7.2f}"
-            f"{r.verify_ms:>8.2f}{r.verify_ms / r.ar_ms:>7.2f}{r.accept_ms:>8.2f}"
-            f"{r.ar_ms:>8.2f}{r.ar_floor_ms:>8.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"
-            f"{r.round_ms / r.ar_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
+            f"{r.verify_ms:>8.2f}{r.verify_floor_ms:>8.2f}{r.verify_ms / r.verify_floor_ms:>7.2f}"
+            f"{r.verify_ms / r.ar_ms:>7.2f}{r.accept_ms:>8.2f}"
+            f"{r.ar_ms:>8.2f}{r.ar_floor_ms:>7.2f}{r.ar_ms / r.ar_floor_ms:>7.2f}"
+            f"{r.round_ms / r.ar_ms:>8.2f}{round_floor / r.ar_floor_ms:>8.2f}{1e3 * args.batch / r.ar_ms:>10.1f}"
             f"{r.ar_ms * args.tau / r.round_ms:>9.2f}{r.draft_cache_mib:>11.1f}"
         )
     return rows

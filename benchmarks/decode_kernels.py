@@ -21,8 +21,9 @@ Variants (the same weights):
 For each variant and mode (AR; LongSpec when a draft is at hand) it prints the kernels in one
 iteration of the compiled decode loop (its while body), the step (AR) or round (LongSpec) time
 inside the device loop (the median over repeats of decode seconds / loop iterations, after a
-warm-up run), tokens/s, and for AR the step's bytes floor: (weights + the KV rows a step reads) /
-the device-to-device copy bandwidth measured in the same run (bytes read + written per second).
+warm-up run), tokens/s, and for AR the step's floor (`benchmarks.floors`: the weights and the KV
+rows a step reads at the memory rate measured in the same run, or its matrix work at the matmul rate,
+whichever is longer).
 A short table closes the output.
 """
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import floors
 from infer.generate import parse_tree_widths
 from longspec_jax import decode_kit, generation
 from longspec_jax.config import ModelConfig
@@ -193,15 +195,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     return 2 * x.nbytes / statistics.median(seconds)
 
 
-def ar_step_bytes(model, rows: int, batch: int = 1) -> int:
-    """Bytes an AR step must read once: every parameter and the K/V rows it attends (`rows` per
-    sequence)."""
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
-    c = model.config
-    kv = 2 * c.num_layers * batch * rows * c.num_kv_heads * c.head_dim
-    return int(weights + kv * jnp.dtype(model.dtype).itemsize)
-
-
 def measure(
     target, draft, mode, prompt, new_tokens, repeats, attn_impl=None, hlo_out=None, label="", tree_widths=None
 ) -> dict:
@@ -315,12 +308,12 @@ def main(argv=None) -> list[dict]:
     repeats = args.repeats or (1 if args.small else 5)
 
     target, draft, prompt = setup(args.small, prompt_tokens, args.target, args.random)
-    bandwidth = copy_bandwidth(1 << 24 if args.small else 1 << 30)
+    rates = floors.measure_rates(small=args.small)
     impl = args.attn_impl or "default"
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}; prompt {len(prompt)} tokens, {new_tokens} new; {impl}"
     )
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
+    print(f"floors at {rates.bandwidth / 1e9:.0f} GB/s and {rates.matmul / 1e12:.0f} TFLOP/s (bf16 matmul)")
     rows = []
     widths = parse_tree_widths(args.tree_widths)
     for name, variant in variants(target).items():
@@ -328,7 +321,7 @@ def main(argv=None) -> list[dict]:
             continue
         ar = measure(variant, None, "ar", prompt, new_tokens, repeats, args.attn_impl, args.hlo_out, name)
         # the K/V rows at the generation's midpoint
-        floor_ms = 1e3 * ar_step_bytes(variant.model, len(prompt) + new_tokens // 2) / bandwidth
+        floor_ms = 1e3 * floors.step_seconds(variant.model, 1, len(prompt) + new_tokens // 2, 1, rates)
         row = {
             "variant": name,
             "ar_kernels": ar["kernels"],
