@@ -11,8 +11,9 @@ Entry points, with implementations chosen by `impl` ("xla", "cudnn", "pallas"):
 - `attend_and_write_block`: a block of new tokens from the packed, un-rotated q|k|v product:
   rotates, writes their K/V rows into the cache and attends the cache plus the block under its
   mask. AR decoding's one token under every impl; under "pallas" a verified tree too, all in the
-  fused kernel, whose outputs include the caches, aliased to its inputs (a GQA model's 64-token
-  verify on a Hopper GPU: XLA's rotation and row writes, then the Mosaic GPU kernel).
+  fused kernel, whose outputs include the caches, aliased to its inputs (a 64-token verify on a
+  Hopper GPU, `cache_on_hopper_units`: a kernel that rotates and writes the rows, then the Mosaic
+  GPU kernel and the combine).
 - `sliding_window_attention`: the draft's training self-attention, causal within a window
   (cuDNN local window on GPU, else XLA in window-sized chunks).
 - `attend_and_write_slots`: the draft's inference self-attention, a block of tokens from its

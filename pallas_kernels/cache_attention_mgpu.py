@@ -3,7 +3,7 @@
 The contract of cache_attention.cache_attention (T queries against the keys [0, cache_len[b]) of a
 cache [B, S, Hkv, D], no mask; o and the natural-log lse back), for the 64-token verify of a 7B
 model, where that Triton kernel is bound by its matrix work (Llama-3-8B's four query heads a KV
-head: 256 query rows against each key).
+head: 256 query rows against each key) or reads its tiles slower (MHA).
 
 A block is (query heads, slice of the sequence's keys, batch): one or two query heads of one KV
 head's group (two where the group is even), each folded by its own compute warpgroup, and a third
