@@ -5,7 +5,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -89,4 +88,4 @@ def test_a_round_of_draft_levels_runs_the_root_then_each_level_but_the_last():
 
 def test_measured_rates_are_positive_on_this_device():
     rates = floors.measure_rates(small=True)
-    assert rates.bandwidth > 0 and rates.matmul > 0 and jnp.isfinite(rates.matmul)
+    assert 0 < rates.bandwidth < math.inf and 0 < rates.matmul < math.inf
