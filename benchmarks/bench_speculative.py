@@ -47,6 +47,7 @@ from flax import nnx
 from benchmarks import floors
 from benchmarks.decode_kernels import with_vocabulary
 from benchmarks.trace_round import print_summary, print_top, summarise
+from longspec_jax.attention import IMPLS, default_impl
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.decode_loop import LoopConfig, decode, start, started
@@ -194,7 +195,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--shapes", help=f"comma-separated target shapes of {sorted(SHAPES)} (default vicuna7b,llama3_8b)")
     p.add_argument("--contexts", help="comma-separated contexts (default 4096,16384,32768,65536; --small 64,256)")
     p.add_argument("--tree-widths", default=",".join(map(str, DEFAULT_WIDTHS)))
-    p.add_argument("--impl", default="xla", help="attention implementation for target and draft")
+    p.add_argument(
+        "--impl",
+        choices=IMPLS,
+        help="attention implementation for target and draft (default: what decoding runs on this backend)",
+    )
     p.add_argument("--rounds", type=int, help="rounds (and AR steps) per timing (default 32; --small 3)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up")
     p.add_argument("--batch", type=int, default=1)
@@ -213,6 +218,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="time the tree with a prompt-lookup chain of this many tokens beside it",
     )
     args = p.parse_args(argv)
+    args.impl = args.impl or default_impl()
     shapes = ["tiny"] if args.small else (args.shapes or "vicuna7b,llama3_8b").split(",")
     contexts = [int(c) for c in (args.contexts or ("64,256" if args.small else "4096,16384,32768,65536")).split(",")]
     widths = tuple(int(w) for w in args.tree_widths.split(","))
