@@ -97,13 +97,6 @@ class Row:
     error: str = ""
 
 
-def draft_round_seconds(model, draft, widths, context: int, batch: int, rates) -> float:
-    """The floor of a round's draft levels: level i runs the nodes of depth i (the root alone first)
-    and proposes the next depth's."""
-    rows = (1, *widths[:-1])
-    return sum(floors.draft_level_seconds(model, draft, r, context, batch, rates) for r in rows)
-
-
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
     """The loop's state with `context` tokens in the target cache (as after a prefill of that many);
     the cache's rows rounded up to whole 128-row tiles, as the generator's power-of-two caches are."""
@@ -251,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 row = Row(shape, context, vocabulary)
                 cut = with_vocabulary(draft, vocabulary)
                 row.ar_floor_ms = 1e3 * floors.step_seconds(model, 1, context, args.batch, rates)
-                row.draft_floor_ms = 1e3 * draft_round_seconds(model, cut, widths, context, args.batch, rates)
+                row.draft_floor_ms = 1e3 * floors.draft_round_seconds(model, cut, widths, context, args.batch, rates)
                 verified = num_nodes(lookup_widths(widths, args.lookup_tokens))  # the tree's rows and the root
                 row.verify_floor_ms = 1e3 * floors.step_seconds(model, verified, context, args.batch, rates)
                 try:

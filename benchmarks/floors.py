@@ -105,9 +105,18 @@ def draft_level_seconds(model, draft, rows: int, context: int, batch: int, rates
     c = model.config
     itemsize = jnp.dtype(model.dtype).itemsize
     head_rows = c.vocab_size if draft.candidate_tokens is None else len(draft.candidate_tokens)
-    weights = cache_bytes(nnx.state(draft.block)) // itemsize + head_rows * c.hidden_size
+    block = jax.tree.leaves(nnx.state(draft.block))
+    weights = sum(x.size for x in block) + head_rows * c.hidden_size
+    weight_bytes = cache_bytes(block) + head_rows * c.hidden_size * itemsize
     kv_rows = batch * context
     return rates.seconds(
-        weights * itemsize + 2 * kv_rows * c.num_kv_heads * c.head_dim * itemsize,
+        weight_bytes + 2 * kv_rows * c.num_kv_heads * c.head_dim * itemsize,
         2 * batch * rows * weights + 4 * kv_rows * rows * c.num_heads * c.head_dim,
     )
+
+
+def draft_round_seconds(model, draft, widths, context: int, batch: int, rates: Rates) -> float:
+    """The floor of a round's draft levels for a tree of `widths`: level i runs the nodes of depth i
+    (the root alone first) and proposes the next depth's."""
+    rows = (1, *widths[:-1])
+    return sum(draft_level_seconds(model, draft, r, context, batch, rates) for r in rows)

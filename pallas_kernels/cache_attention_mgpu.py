@@ -21,8 +21,8 @@ query head's rows a group of their own.
 
 A verify's tree (`block_mask`): the block's own keys, already written at cache rows [length,
 length + 64), are one more tile of the first slice's ring, the OWN_ROWS rows from `own_tile_start`,
-seen under a bias that XLA builds from the mask (`own_keys_bias`). The model's verify for GQA models
-on Hopper runs here (`attention.cache_on_hopper_units`).
+seen under a bias that XLA builds from the mask (`own_keys_bias`). The model's 64-token verify on
+Hopper runs here where its blocks fill one wave (`attention.cache_on_hopper_units`).
 """
 
 from __future__ import annotations
@@ -170,15 +170,9 @@ def _kernel(
             def _():
                 plgpu.barrier_wait(k_ready.at[lax.rem(following, stages)])
 
-        def fold_cache_tile(step, carry, masked):
+        def fold_slot(step, carry, visible, values_issued):
+            """The ring's tile of `step` into the online softmax, its slot freed after."""
             slot = lax.rem(step, stages)
-
-            def visible(s):
-                if masked:  # keys past the length in the block's last tile
-                    key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(key + (first + step) * block_keys < length, s, -jnp.inf)
-                return s * to_log2
-
             carry = fold(
                 carry,
                 k_smem.at[slot],
@@ -187,26 +181,23 @@ def _kernel(
                 visible=visible,
                 scores_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
                 values_ready=lambda: plgpu.barrier_wait(v_ready.at[slot]),
-                values_issued=functools.partial(wait_next_keys, step),
+                values_issued=values_issued,
             )
             plgpu.barrier_arrive(v_free.at[slot])
             return carry
 
+        def fold_cache_tile(step, carry, masked):
+            def visible(s):
+                if masked:  # keys past the length in the block's last tile
+                    key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(key + (first + step) * block_keys < length, s, -jnp.inf)
+                return s * to_log2
+
+            return fold_slot(step, carry, visible, functools.partial(wait_next_keys, step))
+
         def fold_own_keys(step, carry):
-            slot = lax.rem(step, stages)
             bias = plgpu.load(bias_ref.at[batch], layout=plgpu.Layout.WGMMA, optimized=False)
-            carry = fold(
-                carry,
-                k_smem.at[slot],
-                v_smem.at[slot],
-                None if p_smems is None else p_smems.at[wg],
-                visible=lambda s: s * to_log2 + bias.astype(jnp.float32),
-                scores_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
-                values_ready=lambda: plgpu.barrier_wait(v_ready.at[slot]),
-                values_issued=lambda: None,
-            )
-            plgpu.barrier_arrive(v_free.at[slot])
-            return carry
+            return fold_slot(step, carry, lambda s: s * to_log2 + bias.astype(jnp.float32), lambda: None)
 
         # Every tile but the block's last holds keys below the length only.
         unmasked = jnp.maximum(steps - 1, 0)

@@ -52,6 +52,23 @@ def block_visibility(cache_len, block_mask, capacity: int):
     return visible
 
 
+def rotated(x, cos, sin):
+    """RoPE (rotate-half, rope.rotate's layout) in float64: x [B,T,H,D], cos/sin [B,T,D/2]."""
+    x, cos, sin = (np.asarray(a, np.float64) for a in (x, np.asarray(cos)[:, :, None], np.asarray(sin)[:, :, None]))
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def with_rows_written(cache, new, lengths):
+    """cache [B,S,H,D] with new [B,N,H,D] at rows [lengths[b], lengths[b] + N), the rows past S
+    dropped, as NumPy."""
+    out = np.array(cache)
+    for b, n in enumerate(np.asarray(lengths)):
+        rows = min(new.shape[1], out.shape[1] - n)
+        out[b, n : n + rows] = new[b, :rows]
+    return out
+
+
 def random_tree_mask(rng, batch: int, size: int):
     """bool [B, size, size] of random valid trees: node i (parent < i) sees its ancestors and itself."""
     mask = np.zeros((batch, size, size), bool)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from benchmarks import floors
-from benchmarks.bench_speculative import SHAPES, draft_round_seconds
+from benchmarks.bench_speculative import SHAPES
 from benchmarks.decode_kernels import with_vocabulary
 from longspec_jax.draft_io import init_draft
 from longspec_jax.target import random_target
@@ -80,8 +80,8 @@ def test_a_round_of_draft_levels_runs_the_root_then_each_level_but_the_last():
     target = random_target(SHAPES["tiny"], dtype="float32")
     model, draft = target.decode_model(), init_draft(target, seed=1)
     level = lambda rows: floors.draft_level_seconds(model, draft, rows, 64, 1, FLOPS)
-    assert draft_round_seconds(model, draft, (2, 5, 3), 64, 1, FLOPS) == level(1) + level(2) + level(5)
-    assert draft_round_seconds(model, draft, (2, 5, 3), 64, 1, BYTES) == 3 * floors.draft_level_seconds(
+    assert floors.draft_round_seconds(model, draft, (2, 5, 3), 64, 1, FLOPS) == level(1) + level(2) + level(5)
+    assert floors.draft_round_seconds(model, draft, (2, 5, 3), 64, 1, BYTES) == 3 * floors.draft_level_seconds(
         model, draft, 1, 64, 1, BYTES
     )
 

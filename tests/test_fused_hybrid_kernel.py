@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
-from pallas_kernels.reference import attention_reference, cache_visibility, random_tree_mask
+from pallas_kernels.reference import (
+    attention_reference,
+    cache_visibility,
+    random_tree_mask,
+    rotated,
+    with_rows_written,
+)
 from pallas_kernels.split_combine import combine_splits
 
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -53,21 +59,6 @@ def test_hybrid_kernel_matches_attention_over_concatenated_keys(b, t, hq, hkv, s
     assert o.shape == case[0].shape and o.dtype == np.float32
     assert np.isfinite(o).all(), "o has NaN/inf: an element was not written or an empty slice blew up"
     np.testing.assert_allclose(o, want, **TOL)
-
-
-def with_rows_written(cache, new, lengths):
-    """cache [B,S,H,D] with new [B,N,H,D] at rows [lengths[b], lengths[b] + N), as NumPy."""
-    out = cache.copy()
-    for b, n in enumerate(lengths):
-        out[b, n : n + new.shape[1]] = new[b]
-    return out
-
-
-def rotated(x, cos, sin):
-    """RoPE (rotate-half) in float64: x [B,T,H,D], cos/sin [B,T,D/2]."""
-    x, cos, sin = (np.asarray(a, np.float64) for a in (x, cos[:, :, None], sin[:, :, None]))
-    x1, x2 = np.split(x, 2, axis=-1)
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 # (B, T, S, cache lengths, self-visibility of the one-token steps, kernel options): one-token

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import rotate_and_write as rw
+from pallas_kernels.reference import rotated, with_rows_written
 
 
 def _case(seed, b, t, hq, hkv, d, capacity, lengths):
@@ -22,17 +23,14 @@ def _case(seed, b, t, hq, hkv, d, capacity, lengths):
 
 def _reference(qkv, cos, sin, k, v, lengths, hq):
     """float64 q rotated, and the caches with the block's rows written (past the capacity: dropped)."""
-    x = qkv.astype(np.float64)
     hkv = k.shape[2]
-    x1, x2 = np.split(x[:, :, : hq + hkv], 2, axis=-1)
-    c, s = cos[:, :, None], sin[:, :, None]
-    qk = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    k_want, v_want = k.astype(np.float64), v.astype(np.float64)
-    for i, n in enumerate(lengths):
-        rows = min(qkv.shape[1], k.shape[1] - n)
-        k_want[i, n : n + rows] = qk[i, :rows, hq:]
-        v_want[i, n : n + rows] = x[i, :rows, hq + hkv :]
-    return qk[:, :, :hq], k_want, v_want
+    qk = rotated(qkv[:, :, : hq + hkv], cos, sin)
+    v_new = np.asarray(qkv[:, :, hq + hkv :], np.float64)
+    return (
+        qk[:, :, :hq],
+        with_rows_written(k.astype(np.float64), qk[:, :, hq:], lengths),
+        with_rows_written(v.astype(np.float64), v_new, lengths),
+    )
 
 
 def _run(case, hq, interpret):

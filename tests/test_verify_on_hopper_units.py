@@ -13,7 +13,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from longspec_jax import attention
 from pallas_kernels import cache_attention_mgpu as mgpu_cache
 from pallas_kernels import flash_block
-from pallas_kernels.reference import attention_reference, block_visibility, random_tree_mask
+from pallas_kernels.reference import (
+    attention_reference,
+    block_visibility,
+    random_tree_mask,
+    rotated,
+    with_rows_written,
+)
 
 T = mgpu_cache.QUERY_ROWS
 
@@ -61,12 +67,9 @@ def _verify(seed, lengths, capacity, hq=8, hkv=2, d=64):
         num_heads=hq,
         impl="pallas",
     )
-    x1, x2 = np.split(qkv[:, :, : hq + hkv].astype(np.float64), 2, axis=-1)
-    qk = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    k_want, v_want = k.astype(np.float64), v.astype(np.float64)
-    for i, n in enumerate(lengths):
-        k_want[i, n : n + T] = qk[i, :, hq:]
-        v_want[i, n : n + T] = qkv[i, :, hq + hkv :]
+    qk = rotated(qkv[:, :, : hq + hkv], cos[:, :, 0], sin[:, :, 0])
+    k_want = with_rows_written(k.astype(np.float64), qk[:, :, hq:], lengths)
+    v_want = with_rows_written(v.astype(np.float64), qkv[:, :, hq + hkv :].astype(np.float64), lengths)
     ref, _ = attention_reference(qk[:, :, :hq], k_want, v_want, block_visibility(lengths, mask, capacity))
     return (o, k_out, v_out), (ref, k_want, v_want)
 
