@@ -3,9 +3,10 @@ the fused Pallas kernel (`draft.draft_top_k`, impl "pallas"), on the GPU.
 
 For a head of V x H (SmolLM2: 49,152 x 576; Llama-3: 128,256 x 4,096, bfloat16), rows 1 to 64 (a
 tree level's nodes times the batch) and k = 4 and 16, each call is timed inside a device loop (so
-no host dispatch is in the figure), beside the floor: the head's bytes at the copy rate measured in
-the same run. The two paths' token ids are compared first (equal where the k-th and (k+1)-th
-log-probs are apart by more than rounding).
+no host dispatch is in the figure), beside the floor: the head's bytes at the memory rate measured
+in the same run (`floors.measure_rates`; the rows' matrix work never binds here). The two paths'
+token ids are compared first (equal where the k-th and (k+1)-th log-probs are apart by more than
+rounding).
 
     python -m benchmarks.bench_draft_top_k [--shapes 49152x576,128256x4096]
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.decode_kernels import copy_bandwidth
+from benchmarks import floors
 from longspec_jax.draft import draft_top_k
 
 ITERATIONS = 200
@@ -60,16 +61,18 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", default="49152x576,128256x4096", help="VOCABxHIDDEN, comma-separated")
     parser.add_argument("--rows", default="1,4,16,64")
     args = parser.parse_args(argv)
-    rate = copy_bandwidth()
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {rate / 1e9:.0f} GB/s; us per call")
+    rates = floors.measure_rates()
+    print(
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; memory {rates.bandwidth / 1e9:.0f} GB/s; us per call"
+    )
     print("| V x H | rows | k | XLA us | kernel us | head floor us | XLA / kernel | kernel / floor | ids agree |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for shape in args.shapes.split(","):
         vocab, hidden = (int(x) for x in shape.split("x"))
         head = jax.random.normal(jax.random.key(0), (vocab, hidden), jnp.bfloat16) * 0.05
         model = _HeadOnly(head)
-        floor_us = head.nbytes / rate * 1e6  # read once, at the copy rate (as decode_kernels' floor)
         for rows in (int(r) for r in args.rows.split(",")):
+            floor_us = rates.seconds(head.nbytes, 2 * rows * vocab * hidden) * 1e6  # the head read once
             features = jax.random.normal(jax.random.key(rows), (1, rows, hidden), jnp.bfloat16)
             for k in (4, 16):
                 xla_us = loop_us("xla", model, features, k)

@@ -34,7 +34,6 @@ import collections
 import json
 import re
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -180,19 +179,6 @@ def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "")
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Device-to-device copy rate: bytes read + written per second (median of repeats)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(copy(x))
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(copy(x))
-        seconds.append(time.perf_counter() - start)
-    return 2 * x.nbytes / statistics.median(seconds)
 
 
 def measure(

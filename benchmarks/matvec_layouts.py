@@ -7,8 +7,8 @@ dot into an elementwise product plus a reduction, and whether the product is fus
 reduction decides whether the step reads each weight once or writes and reads a weight-sized
 temporary. Each variant runs `--layers` layers of (RMSNorm, x @ W_qkv, x @ W_o, RMSNorm,
 x @ W_gate_up, silu * up, x @ W_down) inside one `lax.fori_loop` of steps and prints the kernels
-of the loop body and the time per step against the weights' bytes at the copy bandwidth measured
-in the same run.
+of the loop body and the time per step against the weights' floor at the rates measured in the
+same run (`floors.measure_rates`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.decode_kernels import copy_bandwidth, loop_body_kernels
+from benchmarks import floors
+from benchmarks.decode_kernels import loop_body_kernels
 
 HIDDEN, QKV, FFN = 576, 960, 1536
 
@@ -88,7 +89,7 @@ def weights(key, layers, transposed):
     return out
 
 
-def run(name, layer, transposed, rows, layers, repeats, bandwidth):
+def run(name, layer, transposed, rows, layers, repeats, rates):
     params = weights(jax.random.key(0), layers, transposed)
 
     @jax.jit
@@ -111,8 +112,9 @@ def run(name, layer, transposed, rows, layers, repeats, bandwidth):
         jax.block_until_ready(compiled(params, x, n))
         seconds.append((time.perf_counter() - start) / repeats)
     step = statistics.median(seconds)
-    nbytes = sum(v.size * v.dtype.itemsize for w in params for v in w.values())
-    floor = nbytes / (bandwidth / 2)  # the copy rate counts bytes read + written; a read counts once
+    weights_read = [v for w in params for v in w.values()]
+    nbytes = sum(v.nbytes for v in weights_read)
+    floor = rates.seconds(nbytes, 2 * rows * sum(v.size for v in weights_read))
     print(f"{name:>24} rows {rows}: {kernels:4d} kernels/step, {1e3 * step:.3f} ms/step, {step / floor:5.1f}x floor")
     return {"variant": name, "rows": rows, "kernels": kernels, "ms": 1e3 * step, "x_floor": step / floor}
 
@@ -124,13 +126,13 @@ def main(argv=None):
     parser.add_argument("--rows", default="1,2", help="comma-separated row counts (tokens x batch)")
     parser.add_argument("--variants", default="kn,nk,kn_f32", help="comma-separated: " + ", ".join(VARIANTS))
     args = parser.parse_args(argv)
-    bandwidth = copy_bandwidth(1 << 30)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bandwidth / 1e9:.0f} GB/s (read + write)")
+    rates = floors.measure_rates()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; memory {rates.bandwidth / 1e9:.0f} GB/s")
     variants = [VARIANTS[v] for v in args.variants.split(",")]
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         for name, layer, transposed in variants:
-            rows.append(run(name, layer, transposed, m, args.layers, args.repeats, bandwidth))
+            rows.append(run(name, layer, transposed, m, args.layers, args.repeats, rates))
     return rows
 
 

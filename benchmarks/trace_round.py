@@ -48,6 +48,8 @@ CLASSES = (
     ("Run<", "top-k, other k"),
     ("hybrid_split_k_attn", "Pallas attention"),
     ("cache_split_k_attn", "Pallas attention"),
+    ("mosaic_gpu", "Pallas attention"),  # the verify's cache half on Hopper's units (cache_attention_mgpu)
+    ("rotate_and_write", "rotate and write"),
     ("split_k_combine", "split-K combine"),
     ("commit_rows", "commit"),
     ("fused_linear", "fused projection"),

@@ -51,6 +51,8 @@ def test_kernel_classes():
     assert kernel_class("nvjet_sm90_tst_128x160") == "GEMM"
     assert kernel_class("void stream_executor::cuda::Run<4ul, float, unsigned int>") == "top-k, other k"
     assert kernel_class("commit_rows") == "commit"
+    assert kernel_class("entry_mosaic_gpu_kernel") == "Pallas attention"
+    assert kernel_class("rotate_and_write_rows") == "rotate and write"
     assert kernel_class("input_reduce_fusion_144") == "other fusions"
 
 
