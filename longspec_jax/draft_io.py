@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.candidate_vocabulary import check_candidate_tokens
+from longspec_jax.candidate_vocabulary import CandidateVocabulary, candidate_vocabulary, check_candidate_tokens
 from longspec_jax.checkpoint_hf import read_hf_tensors, read_safetensors_file
 from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.draft import DraftBlock, DraftConfig
@@ -52,6 +52,8 @@ class Draft:
 
     block: DraftBlock
     candidate_tokens: np.ndarray | None = None
+    # What inference_block and vocabulary_under built, by key, each with the identities of its sources.
+    _built: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def config(self) -> DraftConfig:
@@ -60,6 +62,30 @@ class Draft:
     @property
     def target_config(self) -> ModelConfig:
         return self.block.config
+
+    def inference_block(self, small_rows: tuple[int, ...] = ()) -> DraftBlock:
+        """The block in its inference layout (`DraftBlock.inference_layout`), built once per
+        small_rows and shared by every proposer made from this draft (mode auto makes one per
+        plan; a 7B target's draft block is ~0.4 GB a copy); rebuilt when the block's arrays were
+        replaced."""
+        arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.block)))
+        return self._once(("block", small_rows), arrays, lambda: self.block.inference_layout(small_rows))
+
+    def vocabulary_under(self, target_model) -> CandidateVocabulary | None:
+        """The candidate tokens' rows of target_model's LM head (`candidate_vocabulary`; None without
+        candidate tokens), gathered once per head and shared like `inference_block`'s block (32k rows
+        of a 4,096-wide head are 0.27 GB)."""
+        if self.candidate_tokens is None:
+            return None
+        head = target_model.embed if target_model.lm_head is None else target_model.lm_head
+        sources = (id(head[...]), id(self.candidate_tokens))
+        return self._once(("vocabulary",), sources, lambda: candidate_vocabulary(target_model, self.candidate_tokens))
+
+    def _once(self, key, sources: tuple, build):
+        """build(), kept under key while `sources` (identities of what it was built from) hold."""
+        if key not in self._built or self._built[key][0] != sources:
+            self._built[key] = (sources, build())
+        return self._built[key][1]
 
     def cast(self, dtype) -> Draft:
         """A copy with every parameter in `dtype` (bfloat16 for inference)."""

@@ -385,16 +385,23 @@ class Transformer(nnx.Module):
         and every layer matrix stored [out, in] (`PackedLinear`, its products of `small_rows` rows
         as multiply-reduce), the two norms of a layer folded into the packed products after them
         (their layer attributes then None): the same function up to float rounding order, four
-        matmuls per layer instead of seven. Other
-        parameters share their arrays with this model (no copy). For inference only: checkpoint
-        writers and training use the unpacked layout. Packing a packed model returns it as is."""
+        matmuls per layer instead of seven. Other parameters share their arrays with this model (no
+        copy), which is left as it is (`pack_in_place` packs this one). For inference only:
+        checkpoint writers and training use the unpacked layout. Packing a packed model returns it
+        as is."""
         model = nnx.clone(self)
-        for layer in model.layers:
+        model.pack_in_place(small_rows)
+        return model
+
+    def pack_in_place(self, small_rows: Sequence[int] = ()) -> None:
+        """Puts this model in `inference_layout`'s layout itself, a layer at a time: a layer's
+        loaded matrices are let go as soon as its packed ones exist, so a model held nowhere else
+        never needs much more than its own size plus one layer on the device."""
+        for layer in self.layers:
             if isinstance(layer.self_attn, SelfAttentionProjections):
                 layer.self_attn = PackedAttentionProjections(layer.self_attn, small_rows, layer.input_layernorm)
                 layer.mlp = PackedMLP(layer.mlp, small_rows, layer.post_attention_layernorm)
                 layer.input_layernorm = layer.post_attention_layernorm = None
-        return model
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """int32[B,T] -> [B,T,H] in the parameter dtype."""
@@ -515,7 +522,7 @@ class Transformer(nnx.Module):
         x = self._causal_layers(self.embed_tokens(tokens), positions, lengths, self.layers[:-1], _impl(attn_impl))
         last = self.layers[-1]
         if not with_features:
-            return last.self_attn.kv(last.input_layernorm(x), self._rope(positions))
+            return last.self_attn.kv(_normed(last.input_layernorm, x), self._rope(positions))
         q, k, v = last.qkv(x, self._rope(positions))
         out = last.finish(x, attention.prefill_attention(q, k, v, lengths, impl=_impl(attn_impl)))
         return k, v, self.norm(out)

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from longspec_jax.candidate_vocabulary import CandidateVocabulary, candidate_vocabulary
+from longspec_jax.candidate_vocabulary import CandidateVocabulary
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft import (
     draft_candidates,
@@ -403,8 +403,8 @@ def draft_parameters(draft, target, small_rows=None, widths=()) -> tuple[Any, Dr
     (`DraftBlock.inference_layout`; small_rows: its products written as multiply-reduce, by default
     the target's choice for the backend) and, when the draft carries candidate tokens, their rows
     of `target`'s LM head. widths: the trees it will grow (each level needs that many candidates)."""
-    rows = small_rows_for(jax.default_backend()) if small_rows is None else small_rows
-    graphdef, block = nnx.split(draft.block.inference_layout(rows))
+    rows = tuple(small_rows_for(jax.default_backend()) if small_rows is None else small_rows)
+    graphdef, block = nnx.split(draft.inference_block(rows))
     ids = draft.candidate_tokens
     if ids is None:
         return graphdef, DraftParams(block)
@@ -413,7 +413,7 @@ def draft_parameters(draft, target, small_rows=None, widths=()) -> tuple[Any, Dr
             f"a tree level of {max(widths)} candidates needs at least that many candidate tokens, the draft has "
             f"{len(ids)}: use narrower --tree-widths, or the whole vocabulary (--full-draft-vocabulary)"
         )
-    return graphdef, DraftParams(block, candidate_vocabulary(target.model, ids))
+    return graphdef, DraftParams(block, draft.vocabulary_under(target.model))
 
 
 def check_lookup_tokens(mode: str, widths: tuple[int, ...], lookup_tokens: int) -> None:

@@ -24,7 +24,8 @@ def _forward_logits(graphdef, params, tokens):
 
 
 class Target:
-    """A target model ready to run: `.config`, `.model` (Transformer), `.tokenizer` (or None), `.dtype`,
+    """A target model ready to run: `.config`, `.model` (Transformer: in the layout it was loaded in,
+    the inference layout once `decode_model` or a Generator has used it), `.tokenizer` (or None), `.dtype`,
     `.shipped_draft`: the directory of the draft this project ships for it (None for most targets;
     `load_target` sets it for a GGUF whose bytes are the embedded SmolLM2's, whatever its path), and
     `.shipped_sampling_draft`: the one it ships for sampling (None: the shipped draft samples too)."""
@@ -45,19 +46,27 @@ class Target:
         self.shipped_sampling_draft = shipped_sampling_draft
 
     def decode_model(self) -> Transformer:
-        """The model in its inference layout (`Transformer.inference_layout`), built on first use and
-        kept, so every Generator of this target shares one copy. Rebuilt when `.model` or any of its
-        parameter arrays was replaced (e.g. by `nnx.update`)."""
-        arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.model)))
-        if getattr(self, "_decode_model_of", None) != (id(self.model), arrays):
-            self._decode_model = self.model.inference_layout(small_rows_for(jax.default_backend()))
-            self._decode_model_of = (id(self.model), arrays)
-        return self._decode_model
+        """`.model` in its inference layout (`Transformer.inference_layout`), packed in place on
+        first use (`Transformer.pack_in_place`): the target lets go of the layout it was loaded in,
+        a layer at a time, so it holds its weights once, at every moment (a 7B target kept in both
+        layouts would need twice its weights' memory). Every Generator of this target shares it;
+        packed again when `.model` or any of its parameter arrays was replaced (e.g. by
+        `nnx.update`). Training and checkpoint writing want the loaded layout: load the target
+        again for them."""
+        if getattr(self, "_decode_model_of", None) != _identity(self.model):
+            self.model.pack_in_place(small_rows_for(jax.default_backend()))
+            self._decode_model_of = _identity(self.model)
+        return self.model
 
     def forward_logits(self, tokens) -> jax.Array:
         """Full causal forward, no cache: int32[B, L] -> float32[B, L, V] (jitted per shape)."""
         graphdef, params = nnx.split(self.model)
         return _forward_logits(graphdef, params, jnp.asarray(tokens, jnp.int32))
+
+
+def _identity(model: Transformer) -> tuple:
+    """What `Target.decode_model` compares to tell whether `.model` changed since it last ran."""
+    return id(model), tuple(id(x) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def load_target(path: str | Path | None, *, dtype="bfloat16") -> Target:

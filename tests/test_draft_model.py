@@ -370,3 +370,28 @@ def test_inference_layout_packs_once_and_keeps_the_training_block():
     n_params = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
     assert n_params(packed) == n_params(block) == n_params(twice)
     assert jax.tree.structure(nnx.state(twice)) == jax.tree.structure(nnx.state(packed))
+
+
+def test_proposers_of_one_draft_share_its_packed_block():
+    """Every proposer made from a draft (mode auto makes one per plan) uses one packed copy of its
+    block; replacing the block's arrays packs them again."""
+    from longspec_jax.draft_io import init_draft
+    from longspec_jax.proposers import proposer_for
+
+    target = random_target(tiny_config(), seed=0, dtype="float32")
+    draft = init_draft(target, seed=1)
+    leaves = lambda params: jax.tree.leaves(params.block)
+    first = leaves(proposer_for("longspec", target, draft, (2, 2))[1])
+    second = leaves(proposer_for("longspec", target, draft, (4, 1), lookup_tokens=3)[1])
+    assert len(first) == len(second) and all(a is b for a, b in zip(first, second))
+    graphdef, state = nnx.split(draft.block)
+    nnx.update(draft.block, jax.tree.map(lambda x: x * 2, state))
+    third = leaves(proposer_for("longspec", target, draft, (2, 2))[1])
+    assert not any(a is b for a, b in zip(first, third))
+    np.testing.assert_allclose(np.asarray(third[0]), 2 * np.asarray(first[0]), rtol=1e-6)
+    cut = draft.with_candidate_tokens(np.arange(0, 64, 2))  # the head's rows of its candidates, gathered once
+    vocabularies = [proposer_for("longspec", target, cut, w)[1].vocabulary for w in ((2, 2), (4, 1))]
+    assert vocabularies[0].head is vocabularies[1].head and vocabularies[0].head.shape == (
+        32,
+        target.config.hidden_size,
+    )

@@ -6,6 +6,8 @@ and greedy generation must give the same tokens.
 """
 
 import functools
+import gc
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,25 @@ def assert_caches_close(a, b, lengths):
     for x, y in zip(a.k + a.v, b.k + b.v):
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(x[row, :n]), np.asarray(y[row, :n]), atol=ATOL, rtol=0)
+
+
+def test_packing_in_place_lets_go_of_each_layer_before_the_next(monkeypatch):
+    """A target packed for decoding never holds two layouts of more than one layer at a time."""
+    from longspec_jax import model as model_module
+
+    target = random_target(tiny_config(num_layers=4), seed=0, dtype="float32")
+    loaded = [weakref.ref(layer.mlp.gate_proj.kernel[...]) for layer in target.model.layers]
+    packing = model_module.PackedMLP
+    seen = []
+
+    def packed_mlp(*args, **kwargs):
+        gc.collect()
+        seen.append([ref() is None for ref in loaded])
+        return packing(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "PackedMLP", packed_mlp)
+    target.decode_model()
+    assert seen == [[i < n for i in range(4)] for n in range(4)]  # layers before the n-th already freed
 
 
 def test_packed_layout_replaces_the_projections_and_leaves_the_model_alone(pair):

@@ -1,6 +1,9 @@
 """AR generation (generation.py, the loop with a proposer that proposes nothing) on tiny random
 float32 targets against step-by-step full forwards; the public API's input checks and Ctrl-C."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -318,3 +321,39 @@ def test_forget_compiled_drops_every_program_kept():
     again, seconds = decode_kit.compiled(jitted, x)
     assert again is not program and seconds > 0
     np.testing.assert_array_equal(again(x), 3.0)
+
+
+def _bytes_held(obj) -> int:
+    """Bytes of the distinct arrays held by the nnx Modules among obj's attributes."""
+    arrays = {}
+    for value in vars(obj).values():
+        if isinstance(value, nnx.Module):
+            arrays.update((id(x), x) for x in jax.tree.leaves(nnx.state(value)))
+    return sum(x.nbytes for x in arrays.values())
+
+
+def test_a_generator_leaves_the_target_holding_its_weights_once():
+    """Decoding packs the weights into the inference layout; the target then lets go of the layout it
+    was loaded in (a 7B target in both layouts needs twice its weights' memory)."""
+    target = random_target(tiny_config(), seed=5, dtype="float32")
+    loaded = _bytes_held(target)
+    matrices = [weakref.ref(layer.self_attn.q_proj.kernel[...]) for layer in target.model.layers]
+    prompt = [3, 1, 4, 1, 5, 9]
+    before = generate(target, prompt, mode="ar", max_new_tokens=5, eos_token_ids=()).tokens
+    packed = target.decode_model()
+    assert target.model is packed and hasattr(packed.layers[0].self_attn, "qkv_proj")
+    gc.collect()
+    assert all(ref() is None for ref in matrices)  # the loaded layout's arrays are gone
+    assert _bytes_held(target) <= loaded  # the norms' weights folded away; no second copy of any matrix
+    assert Generator(target, mode="ar").generate(prompt, max_new_tokens=5, eos_token_ids=()).tokens == before
+    assert target.decode_model() is packed  # kept, not rebuilt
+    loaded_again = random_target(tiny_config(), seed=5, dtype="float32")
+    tokens = jnp.asarray([prompt])
+    np.testing.assert_allclose(  # the forward and the draft's training input still run, now packed
+        np.asarray(target.forward_logits(tokens)), np.asarray(loaded_again.forward_logits(tokens)), rtol=1e-5, atol=1e-5
+    )
+    positions = jnp.arange(len(prompt))[None]
+    for got, want in zip(
+        target.model.last_layer_kv(tokens, positions), loaded_again.model.last_layer_kv(tokens, positions)
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
