@@ -3,7 +3,8 @@
 - results: `GenerationResult` / `GenerationStats` (`make_stats`, `cache_bytes`);
 - prompts: `normalize_prompts` (text / ids / batches -> id lists) and `check_prompts` (ids in the
   vocabulary, prompt + max_new_tokens inside the window), each naming the fix on bad input;
-- static shapes: `bucket_length`, `plan_lengths` (prompt bucket, output bucket, cache rows) and
+- static shapes: `bucket_length`, `plan_lengths` (prompt bucket, output bucket, cache rows; roomy
+  where the device's free memory allows) and
   `prompt_batch` (right-padded); one compiled program then serves every prompt of a bucket;
 - `StopRule` (EOS ids / max_new_tokens as arrays) and `finish_tokens` (truncation after EOS);
 - `prefill` (jitted; parameters are arguments) and `compiled`, the per-process compile cache keyed
@@ -161,6 +162,12 @@ class PromptBatch:
     lengths: np.ndarray
 
 
+# A power-of-two cache may take at most this share of the device's free bytes; the rest is left for
+# the prefill's activations and the loop's other buffers.
+ROOMY_CACHE_SHARE = 0.75
+CACHE_ROW_TILE = 128  # the attention kernels' key tile: a cache of whole tiles keeps their fast paths
+
+
 def bucket_length(n: int) -> int:
     """The padded size for a length n: a power of two >= 16 up to 256, then quarter-octave steps
     (256 < n <= 512: multiples of 64; 512 < n <= 1024: of 128; ...), so padding stays under 25 %
@@ -171,17 +178,46 @@ def bucket_length(n: int) -> int:
     return -(-n // step) * step
 
 
-def plan_lengths(longest_prompt: int, max_new_tokens: int, *, slack: int = 0) -> tuple[int, int, int]:
+def plan_lengths(
+    longest_prompt: int, max_new_tokens: int, *, slack: int = 0, row_bytes: int = 0, free_bytes: int | None = None
+) -> tuple[int, int, int]:
     """(prompt bucket, output bucket, cache rows). `slack`: extra cache rows a mode writes past the
     last kept token (e.g. a speculative tree).
 
     The cache rows are a power of two: the decode loop's shapes depend on them alone, so prompts
     from 2k to 4k tokens (say) share one compiled loop and only the cheap prefill compiles per
     prompt bucket. The Pallas and cuDNN kernels read only the rows in use, so a roomier cache
-    costs no time on GPU."""
+    costs no time on GPU. It costs memory, up to twice the rows needed: where the device's free
+    bytes are known (`device_free_bytes`) and such a cache of `row_bytes` a row would take more than
+    ROOMY_CACHE_SHARE of them, the rows are the ones needed in whole 128-row tiles instead (one more
+    loop shape to compile), and a cache that does not fit even so is an error naming the fix."""
     prompt_bucket = bucket_length(longest_prompt)
     new_bucket = bucket_length(max_new_tokens)
-    return prompt_bucket, new_bucket, 1 << (prompt_bucket + new_bucket + slack - 1).bit_length()
+    needed = prompt_bucket + new_bucket + slack
+    rows = 1 << (needed - 1).bit_length()
+    if free_bytes is not None and rows * row_bytes > ROOMY_CACHE_SHARE * free_bytes:
+        rows = -(-needed // CACHE_ROW_TILE) * CACHE_ROW_TILE
+        if rows * row_bytes > free_bytes:
+            raise UserError(
+                f"the KV cache for {longest_prompt} prompt tokens and {max_new_tokens} new ones needs "
+                f"{rows * row_bytes / 2**30:.1f} GiB and the device has {free_bytes / 2**30:.1f} GiB free: "
+                "shorten the prompt, lower max_new_tokens or the batch, or let JAX take more of the GPU "
+                "(XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 by default)"
+            )
+    return prompt_bucket, new_bucket, rows
+
+
+def cache_row_bytes(config, batch: int, dtype) -> int:
+    """Bytes one cache row takes across a batch's sequences (K and V of every layer, `init_cache`'s)."""
+    return 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def device_free_bytes() -> int | None:
+    """Bytes the default device's allocator can still hand out, or None where it does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def prompt_batch(prompts: list[list[int]], prompt_bucket: int) -> PromptBatch:

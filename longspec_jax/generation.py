@@ -56,8 +56,10 @@ from longspec_jax.decode_kit import (
     PromptBatch,
     StopRule,
     cache_bytes,
+    cache_row_bytes,
     check_prompts,
     compiled,
+    device_free_bytes,
     fetch,
     finish_tokens,
     make_stats,
@@ -367,7 +369,13 @@ class Generator:
         adaptive = isinstance(proposer, Adaptive)
         widths = proposer.widths
         slack = proposer.slack if adaptive else sum(widths)
-        prompt_bucket, new_bucket, cache_len = plan_lengths(max(map(len, prompts)), request.max_new_tokens, slack=slack)
+        prompt_bucket, new_bucket, cache_len = plan_lengths(
+            max(map(len, prompts)),
+            request.max_new_tokens,
+            slack=slack,
+            row_bytes=cache_row_bytes(self.target.config, len(prompts), self.target.dtype),
+            free_bytes=device_free_bytes(),
+        )
         batch = prompt_batch(prompts, prompt_bucket)
         sampling = self.sampling_params(request.sampling)
         last_logits, cache, prefill_s, compile_s = self.run_prefill(batch, cache_len)

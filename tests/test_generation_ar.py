@@ -357,3 +357,32 @@ def test_a_generator_leaves_the_target_holding_its_weights_once():
         target.model.last_layer_kv(tokens, positions), loaded_again.model.last_layer_kv(tokens, positions)
     ):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_is_a_power_of_two_where_it_fits_roomily_else_whole_tiles():
+    from longspec_jax.decode_kit import CACHE_ROW_TILE, plan_lengths
+
+    assert plan_lengths(5000, 256, slack=64) == (5120, 256, 8192)  # free memory unknown (a CPU): roomy
+    row = 1 << 20
+    assert plan_lengths(5000, 256, slack=64, row_bytes=row, free_bytes=12 * 8192 * row)[2] == 8192
+    _, _, rows = plan_lengths(5000, 256, slack=64, row_bytes=row, free_bytes=8192 * row)  # 8192 rows > 75 %
+    assert rows % CACHE_ROW_TILE == 0 and 5120 + 256 + 64 <= rows < 5440 + CACHE_ROW_TILE
+    with pytest.raises(UserError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        plan_lengths(5000, 256, slack=64, row_bytes=row, free_bytes=5000 * row)
+
+
+def test_a_tight_cache_decodes_what_a_roomy_one_does(target, monkeypatch):
+    """Where the device has too little room for a power-of-two cache, the request runs in whole
+    128-row tiles and decodes the same tokens; one that cannot fit at all is refused, naming the fix."""
+    from longspec_jax import generation
+
+    prompt = [1 + i % 100 for i in range(299)]  # 299 tokens: a 320-token bucket, a 512-row roomy cache (AR, 16 new)
+    roomy = generate(target, prompt, mode="ar", max_new_tokens=16, eos_token_ids=())
+    row = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * 4
+    monkeypatch.setattr(generation, "device_free_bytes", lambda: 600 * row)
+    tight = generate(target, prompt, mode="ar", max_new_tokens=16, eos_token_ids=())
+    assert tight.tokens == roomy.tokens
+    assert tight.stats.target_cache_bytes < roomy.stats.target_cache_bytes == 512 * row + 4
+    monkeypatch.setattr(generation, "device_free_bytes", lambda: 300 * row)
+    with pytest.raises(UserError, match="shorten the prompt"):
+        generate(target, prompt, mode="ar", max_new_tokens=16, eos_token_ids=())
