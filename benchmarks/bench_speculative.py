@@ -47,7 +47,7 @@ from flax import nnx
 from benchmarks import floors
 from benchmarks.decode_kernels import with_vocabulary
 from benchmarks.trace_round import print_summary, print_top, summarise
-from longspec_jax.attention import IMPLS, default_impl
+from longspec_jax.attention import CACHE_ROW_TILE, IMPLS, default_impl
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
 from longspec_jax.decode_loop import LoopConfig, decode, start, started
@@ -99,8 +99,9 @@ class Row:
 
 def loop_state(target, params, proposer_params, *, context, batch, config, slack, sampling, stop):
     """The loop's state with `context` tokens in the target cache (as after a prefill of that many);
-    the cache's rows rounded up to whole 128-row tiles, as the generator's power-of-two caches are."""
-    rows = -(-(context + config.new_bucket + slack) // 128) * 128
+    the cache's rows rounded up to whole 128-row tiles (`attention.CACHE_ROW_TILE`), as a generator's
+    cache is where the GPU has no room for a power of two."""
+    rows = -(-(context + config.new_bucket + slack) // CACHE_ROW_TILE) * CACHE_ROW_TILE
     cache = init_cache(target.config, batch, rows, target.dtype)
     prompt = jnp.zeros((batch, context), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)

@@ -66,6 +66,9 @@ __all__ = [
 ]
 
 IMPLS = ("xla", "cudnn", "pallas")
+# Cache rows come in whole tiles of this many for the Mosaic GPU route (its own-keys tile); a cache
+# sized in them keeps every attention kernel's fast path (decode_kit.plan_lengths).
+CACHE_ROW_TILE = mgpu_cache.OWN_ROWS
 
 NEG_INF = float("-inf")
 
@@ -453,7 +456,7 @@ def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper
         and k_cache.dtype in (jnp.bfloat16, jnp.float16)
         and head_dim % 64 == 0
         and pallas_rotate.supports(head_dim)
-        and k_cache.shape[1] % mgpu_cache.OWN_ROWS == 0
+        and k_cache.shape[1] % CACHE_ROW_TILE == 0
         and (pairs or one_wave_of_heads)
     )
 

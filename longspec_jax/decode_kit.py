@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from longspec_jax.attention import CACHE_ROW_TILE
 from longspec_jax.errors import UserError
 from longspec_jax.model import init_cache
 from longspec_jax.tokenizer import encode_prompt
@@ -165,7 +166,6 @@ class PromptBatch:
 # A power-of-two cache may take at most this share of the device's free bytes; the rest is left for
 # the prefill's activations and the loop's other buffers.
 ROOMY_CACHE_SHARE = 0.75
-CACHE_ROW_TILE = 128  # the attention kernels' key tile: a cache of whole tiles keeps their fast paths
 
 
 def bucket_length(n: int) -> int:
@@ -189,7 +189,7 @@ def plan_lengths(
     prompt bucket. The Pallas and cuDNN kernels read only the rows in use, so a roomier cache
     costs no time on GPU. It costs memory, up to twice the rows needed: where the device's free
     bytes are known (`device_free_bytes`) and such a cache of `row_bytes` a row would take more than
-    ROOMY_CACHE_SHARE of them, the rows are the ones needed in whole 128-row tiles instead (one more
+    ROOMY_CACHE_SHARE of them, the rows are the ones needed in whole CACHE_ROW_TILE tiles instead (one more
     loop shape to compile), and a cache that does not fit even so is an error naming the fix."""
     prompt_bucket = bucket_length(longest_prompt)
     new_bucket = bucket_length(max_new_tokens)
