@@ -162,7 +162,6 @@ def run_benchmark(
     tree_widths: a plain "longspec"'s tree (default: the engine's); each record of a mode with a tree
     carries the one used. sampling_draft: the draft of the draft modes' sampled runs (default: draft)."""
     from longspec_jax import acceptance_memory
-    from longspec_jax.decode_kit import plan_lengths
     from longspec_jax.generation import Generator
     from longspec_jax.proposers import resolve_widths
 
@@ -202,7 +201,7 @@ def run_benchmark(
         log("mode auto runs without a draft (AR and prompt lookup only): pass --draft PATH for LongSpec trees")
 
     window = target.config.max_position_embeddings
-    warmed: set[tuple[str, int, float]] = set()
+    warmed: set[tuple[str, int, float, int]] = set()  # (mode, cache rows, temperature, batch)
     finished = {(r["id"], r["mode"], r["temperature"]) for r in done}
     ar_digest = {(r["id"], r["temperature"]): r["tokens_sha1"] for r in done if r["mode"] == "ar"}
     runs = []
@@ -218,15 +217,18 @@ def run_benchmark(
             if ignore_eos:
                 kwargs["eos_token_ids"] = ()
             # Greedy and sampling may be different programs: warm each up once per cache size (the
-            # decode loop's shapes; a new prompt bucket only compiles prefill, timed apart).
-            shape = (plan_lengths(item["prompt_len"], max_new_tokens)[2], temperature, item["batch"])
+            # decode loop's shapes, as the generator plans them for this request; a new prompt
+            # bucket only compiles prefill, timed apart).
             timed: dict[str, list] = {m: [] for m in generators if (item["id"], m, temperature) not in finished}
             failed: dict[str, UserError] = {}  # a mode that raises one is skipped from here on
             for mode in list(timed):
                 try:
-                    if (mode, *shape) not in warmed:
+                    rows = generators[mode].cache_rows(
+                        item["prompt_len"], item["batch"], max_new_tokens=max_new_tokens, temperature=temperature
+                    )
+                    if (mode, rows, temperature, item["batch"]) not in warmed:
                         _warm_up(generators[mode], item["prompt_ids"], kwargs, warm_up)
-                        warmed.add((mode, *shape))
+                        warmed.add((mode, rows, temperature, item["batch"]))
                 except UserError as e:
                     failed[mode] = e
                     del timed[mode]

@@ -363,19 +363,39 @@ class Generator:
         self._programs[key] = _LoopPrograms(config, run_start, state_shape, loop, calibration, c1 + c2)
         return self._programs[key]
 
-    def decode(self, prompts: list[list[int]], request: DecodeRequest) -> GenerationResult:
-        """The host driver for checked prompts: prefill, the loop in chunks, the result."""
-        proposer, proposer_params = self.proposer_for_request(request, len(prompts))
-        adaptive = isinstance(proposer, Adaptive)
-        widths = proposer.widths
-        slack = proposer.slack if adaptive else sum(widths)
-        prompt_bucket, new_bucket, cache_len = plan_lengths(
-            max(map(len, prompts)),
+    def plan(self, longest_prompt: int, batch: int, request: DecodeRequest):
+        """(proposer, its parameters, (prompt bucket, output bucket, cache rows)) of a request of
+        `batch` prompts, the longest of `longest_prompt` tokens: `plan_lengths` with the proposer's
+        slack, the cache's bytes and the device's free memory, as `decode` runs it. The cache rows
+        decide which compiled loop the request runs."""
+        proposer, proposer_params = self.proposer_for_request(request, batch)
+        slack = proposer.slack if isinstance(proposer, Adaptive) else sum(proposer.widths)
+        lengths = plan_lengths(
+            longest_prompt,
             request.max_new_tokens,
             slack=slack,
-            row_bytes=cache_row_bytes(self.target.config, len(prompts), self.target.dtype),
+            row_bytes=cache_row_bytes(self.target.config, batch, self.target.dtype),
             free_bytes=device_free_bytes(),
         )
+        return proposer, proposer_params, lengths
+
+    def cache_rows(self, longest_prompt: int, batch: int, *, max_new_tokens: int, temperature: float = 0.0) -> int:
+        """The cache rows (the decode loop's shape) a greedy or sampled request would run with now."""
+        request = DecodeRequest(
+            max_new_tokens=int(max_new_tokens),
+            sampling=SamplingSettings.checked(temperature),
+            seed=0,
+            eos_token_ids=(),
+        )
+        return self.plan(longest_prompt, batch, request)[2][2]
+
+    def decode(self, prompts: list[list[int]], request: DecodeRequest) -> GenerationResult:
+        """The host driver for checked prompts: prefill, the loop in chunks, the result."""
+        proposer, proposer_params, (prompt_bucket, new_bucket, cache_len) = self.plan(
+            max(map(len, prompts)), len(prompts), request
+        )
+        adaptive = isinstance(proposer, Adaptive)
+        widths = proposer.widths
         batch = prompt_batch(prompts, prompt_bucket)
         sampling = self.sampling_params(request.sampling)
         last_logits, cache, prefill_s, compile_s = self.run_prefill(batch, cache_len)

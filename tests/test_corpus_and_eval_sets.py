@@ -513,6 +513,30 @@ def test_ignore_eos_makes_every_run_full_length_and_repeats_keep_the_median(tmp_
     assert benchmark.main([*args, "--warm-up", "0"]) == 2
 
 
+def test_benchmark_warms_each_mode_up_once_per_loop_shape_the_generator_plans(tmp_path, monkeypatch):
+    """A new cache size is a new compiled loop: its first request is a warm-up, not a timing. The
+    sizes are the generator's (`Generator.cache_rows`), which under memory pressure differ between
+    prompts that a power-of-two cache would have grouped."""
+    from longspec_jax.generation import Generator
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    target = save_tiny_checkpoint(tmp_path / "target", tiny_config())
+    _tiny_eval_sets(tmp_path / "eval", prompts_per_task=3)
+    args = ["--eval-dir", str(tmp_path / "eval"), "--target", str(target), "--modes", "ar,pld"]
+    args += ["--tasks", "code_completion", "--temperatures", "0", "--max-new-tokens", "4"]
+    args += ["--json-out", str(tmp_path / "results.json")]
+    warm_ups = []
+    monkeypatch.setattr(benchmark, "_warm_up", lambda generator, *a, **k: warm_ups.append(generator.mode))
+    monkeypatch.setattr(Generator, "cache_rows", lambda self, longest, *a, **k: 1024)
+    assert benchmark.main(args) == 0
+    assert warm_ups == ["ar", "pld"]  # one shape: one warm-up per mode
+    warm_ups.clear()
+    monkeypatch.setattr(Generator, "cache_rows", lambda self, longest, *a, **k: 1000 + longest)
+    assert benchmark.main(args) == 0
+    lengths = {r["prompt_len"] for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert len(warm_ups) == 2 * len(lengths) and len(lengths) > 1  # a warm-up per mode and prompt length
+
+
 def test_warm_up_repeats_until_the_calibration_is_kept(monkeypatch):
     """A warm-up request that ended before timing every candidate leaves the rest to the next, so
     the benchmark warms up again rather than timing a request that still calibrates."""

@@ -386,3 +386,18 @@ def test_a_tight_cache_decodes_what_a_roomy_one_does(target, monkeypatch):
     monkeypatch.setattr(generation, "device_free_bytes", lambda: 300 * row)
     with pytest.raises(UserError, match="shorten the prompt"):
         generate(target, prompt, mode="ar", max_new_tokens=16, eos_token_ids=())
+
+
+def test_a_generator_tells_the_cache_rows_a_request_will_run_with(target, monkeypatch):
+    """`Generator.cache_rows` (what the benchmark groups its warm-ups by) is the cache the request
+    then gets, roomy or tight."""
+    from longspec_jax import generation
+
+    prompt = [1 + i % 100 for i in range(299)]
+    row = 2 * target.config.num_layers * target.config.num_kv_heads * target.config.head_dim * 4
+    gen = Generator(target, mode="ar")
+    for free_rows, rows in ((None, 512), (600, 384)):
+        monkeypatch.setattr(generation, "device_free_bytes", lambda f=free_rows: None if f is None else f * row)
+        assert gen.cache_rows(len(prompt), 1, max_new_tokens=16) == rows
+        result = gen.generate(prompt, max_new_tokens=16, eos_token_ids=())
+        assert result.stats.target_cache_bytes == rows * row + 4
