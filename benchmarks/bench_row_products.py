@@ -1,0 +1,154 @@
+"""A few rows times a 7B layer's weight matrices: XLA's products against the Mosaic GPU weight
+streamer (`pallas_kernels.row_matmul_mgpu`), each beside the bytes floor of the same process.
+
+    python -m benchmarks.bench_row_products [--shapes llama31_8b,vicuna7b] [--rows 1,16,64]
+        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--json OUT]
+
+Each product (q|k|v, o, gate|up, down, in the inference layout [N, K]) runs over `--layers`
+distinct weight matrices, one after the other, inside a device loop of `--repeats` passes: a real
+model's layers, so no weight is found in the L2 from the pass before. Each product's output is
+summed into a running number (one small reduction a product, the same for every variant) so that
+nothing is skipped. The streamer's knobs are swept as tile_n:splits:stages at the largest row
+count; the best one is then timed at every row count. Ratios are to the weights' bytes (and the
+matrix work) at the rates `floors.measure_rates` measures in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import floors
+from longspec_jax.model_shapes import MODEL_SHAPES
+from pallas_kernels import row_matmul_mgpu
+
+DEFAULT_CONFIGS = "64:1:8,128:1:4,128:1:8,256:1:4,256:1:6,128:2:6,256:2:4,128:4:6,256:4:4"
+
+
+def product_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each packed product of one layer of MODEL_SHAPES[name]."""
+    c = MODEL_SHAPES[name]
+    h, d = c.hidden_size, c.head_dim
+    return {
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * d, h),
+        "o": (h, c.num_heads * d),
+        "gate_up": (2 * c.intermediate_size, h),
+        "down": (h, c.intermediate_size),
+    }
+
+
+def xla_product(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+
+
+def streamed(tile_n: int, splits: int, stages: int):
+    return lambda x, w: row_matmul_mgpu.row_matmul(x, w, tile_n=tile_n, splits=splits, stages=stages)
+
+
+def fits(config: tuple[int, int, int], n: int, k: int) -> bool:
+    tile_n, splits, _ = config
+    return n % tile_n == 0 and k % (row_matmul_mgpu.TILE_K * splits) == 0
+
+
+def time_product(product, weights, rows: int, repeats: int) -> float:
+    """Seconds per product call, over len(weights) matrices and `repeats` passes."""
+
+    @jax.jit
+    def passes(weights, x, n):
+        def body(_, carry):
+            x, total = carry
+            for w in weights:
+                total = total + jnp.sum(product(x, w), dtype=jnp.float32)
+            return x, total
+
+        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))
+
+    x = jax.random.normal(jax.random.key(1), (rows, weights[0].shape[1]), jnp.bfloat16)
+    n = jnp.asarray(repeats, jnp.int32)
+    compiled = passes.lower(weights, x, n).compile()
+    jax.block_until_ready(compiled(weights, x, n))
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(weights, x, n))
+        seconds.append((time.perf_counter() - start) / (repeats * len(weights)))
+    return statistics.median(seconds)
+
+
+def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates):
+    key = jax.random.fold_in(jax.random.key(0), zlib.crc32(product.encode()))
+    weights = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(layers)]
+    floor = {rows: rates.seconds(n * k * 2, 2 * rows * n * k) for rows in rows_list}
+    top = max(rows_list)
+    sweep = []
+    for config in (c for c in configs if fits(c, n, k)):
+        try:
+            seconds = time_product(streamed(*config), weights, top, repeats)
+        except Exception as err:  # a config the compiler refuses is reported, not fatal
+            print(f"{name} {product} {config}: failed: {str(err).splitlines()[0][:160]}")
+            continue
+        sweep.append((seconds, config))
+        print(f"{name:<11}{product:<8} rows {top:>3} {config}: {1e6 * seconds:8.1f} us {seconds / floor[top]:5.2f}x")
+    best = min(sweep)[1] if sweep else None
+    records = []
+    for rows in rows_list:
+        xla = time_product(xla_product, weights, rows, repeats)
+        mine = time_product(streamed(*best), weights, rows, repeats) if best else float("nan")
+        records.append(
+            dict(
+                shape=name,
+                product=product,
+                n=n,
+                k=k,
+                rows=rows,
+                floor_us=1e6 * floor[rows],
+                xla_us=1e6 * xla,
+                streamer_us=1e6 * mine,
+                streamer_config=best,
+                sweep=[(1e6 * s, c) for s, c in sweep] if rows == top else [],
+            )  # fmt: skip
+        )
+        print(
+            f"{name:<11}{product:<8} rows {rows:>3}: floor {1e6 * floor[rows]:7.1f} us | XLA {1e6 * xla:7.1f}"
+            f" ({xla / floor[rows]:4.2f}x) | streamer {best} {1e6 * mine:7.1f} ({mine / floor[rows]:4.2f}x)"
+        )
+    return records
+
+
+def run_shape(name, rows_list, layers, repeats, configs, rates):
+    records = []
+    for product, (n, k) in product_shapes(name).items():
+        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates)
+    return records
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama31_8b,vicuna7b")
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="tile_n:splits:stages, comma-separated")
+    parser.add_argument("--json", help="write every timing here")
+    args = parser.parse_args(argv)
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    rates = floors.measure_rates()
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; floors at {rates.bandwidth / 1e9:.0f} GB/s")
+    records = []
+    for name in args.shapes.split(","):
+        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""bench_row_products' bookkeeping on the CPU: each 7B product's (N, K) from the model's config, which
+streamer knobs fit a product, and the timing loop on XLA's product (the streamer itself needs a
+Hopper GPU; its correctness is tests/test_row_matmul_mgpu.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import bench_row_products as bench
+from longspec_jax.model import Transformer
+from longspec_jax.model_shapes import MODEL_SHAPES
+from tests.tiny_models import tiny_config
+
+
+def test_product_shapes_are_the_packed_layouts_matrices():
+    config = tiny_config()
+    model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0)).inference_layout()
+    layer = model.layers[0]
+    packed = {
+        "qkv": layer.self_attn.qkv_proj.weight.shape,
+        "o": layer.self_attn.o_proj.weight.shape,
+        "gate_up": layer.mlp.gate_up_proj.weight.shape,
+        "down": layer.mlp.down_proj.weight.shape,
+    }
+    MODEL_SHAPES["_tiny"] = config
+    try:
+        assert bench.product_shapes("_tiny") == packed
+    finally:
+        del MODEL_SHAPES["_tiny"]
+    assert bench.product_shapes("llama31_8b") == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
+
+
+@pytest.mark.parametrize(
+    "config, n, k, fits",
+    [((128, 1, 8), 4096, 4096, True), ((256, 1, 4), 4160, 4096, False), ((128, 4, 8), 4096, 11008, True),
+     ((128, 8, 8), 4096, 11008, False)],
+)  # fmt: skip
+def test_fits(config, n, k, fits):
+    assert bench.fits(config, n, k) is fits
+
+
+def test_time_product_runs_every_matrix():
+    weights = [jnp.full((64, 128), i + 1, jnp.bfloat16) for i in range(3)]
+    seconds = bench.time_product(bench.xla_product, weights, rows=4, repeats=2)
+    assert np.isfinite(seconds) and seconds > 0
