@@ -28,7 +28,7 @@ from benchmarks import floors
 from longspec_jax.model_shapes import MODEL_SHAPES
 from pallas_kernels import row_matmul_mgpu
 
-DEFAULT_CONFIGS = "64:1:8,128:1:4,128:1:8,256:1:4,256:1:6,128:2:6,256:2:4,128:4:6,256:4:4"
+DEFAULT_CONFIGS = "128:1:4,128:1:8,64:1:8,64:2:8,128:2:8,128:4:8,256:4:4,256:8:4"
 
 
 def product_shapes(name: str) -> dict[str, tuple[int, int]]:

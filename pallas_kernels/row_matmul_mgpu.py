@@ -32,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS = 64  # a wgmma tile's rows: fewer rows are padded to this
 TILE_K = 64  # 128 bytes of 16-bit features: one swizzled TMA row
+SMEM_BYTES = 227 * 1024  # a Hopper block's shared memory
 _TILED = (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(128))
 
 
@@ -111,5 +112,12 @@ def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, interpre
         raise ValueError(f"row_matmul: tile_n {tile_n} must be a multiple of 8 up to 256 dividing N = {w.shape[0]}")
     if splits < 1 or x.shape[1] % (TILE_K * splits):
         raise ValueError(f"row_matmul: K = {x.shape[1]} must split into {splits} slices of whole {TILE_K}s")
+    slots = min(stages, x.shape[1] // splits // TILE_K)  # the pipeline holds no more than a slice's tiles
+    ring = slots * (ROWS + tile_n) * TILE_K * x.dtype.itemsize
+    if stages < 1 or ring > SMEM_BYTES:
+        raise ValueError(
+            f"row_matmul: a ring of {slots} slots of {tile_n}-column tiles takes {ring} bytes of shared memory, "
+            f"more than the {SMEM_BYTES} a block has: fewer stages or narrower tiles"
+        )
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     return _row_matmul(x, w, out_dtype=out_dtype, tile_n=tile_n, splits=splits, stages=stages, interpret=interpret)

@@ -56,6 +56,7 @@ def test_compiled_matches_float64(m, knobs):
         ((8, 128), (64, 128), jnp.float32, {}, "16-bit"),
         ((8, 128), (96, 128), jnp.bfloat16, dict(tile_n=64), "dividing N"),
         ((8, 192), (64, 192), jnp.bfloat16, dict(tile_n=64, splits=2), "slices"),
+        ((8, 1024), (256, 1024), jnp.bfloat16, dict(tile_n=256, stages=8), "shared memory"),
     ],
 )
 def test_rejects_operands_it_does_not_take(x_shape, w_shape, dtype, knobs, match):
