@@ -22,7 +22,6 @@ slots each, which the first timings did not try for the narrow products.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +36,14 @@ _TILED = (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(128))
 
 
 def supports(x, w) -> bool:
-    """Whether the kernel takes these operands (arrays or shape structs; x [..., K], its leading
-    dimensions the rows): at most 64 rows, w [N, K], one 16-bit dtype, K a multiple of 64."""
+    """Whether the kernel takes these operands: x [M <= 64, K], w [N, K], one 16-bit dtype, K a
+    multiple of 64."""
     return (
-        math.prod(x.shape[:-1]) <= ROWS
-        and len(w.shape) == 2
-        and x.shape[-1] == w.shape[1]
-        and w.shape[1] % TILE_K == 0
+        x.ndim == 2
+        and w.ndim == 2
+        and x.shape[0] <= ROWS
+        and x.shape[1] == w.shape[1]
+        and x.shape[1] % TILE_K == 0
         and x.dtype in (jnp.bfloat16, jnp.float16)
         and w.dtype == x.dtype
     )
@@ -103,7 +103,7 @@ def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, interpre
     """x [M, K] @ w[N, K]^T -> [M, N] in out_dtype (default x.dtype), float32 accumulation.
     M <= 64, 16-bit operands, K a multiple of 64 * splits, N a multiple of tile_n (a multiple of 8,
     at most 256). interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
-    if x.ndim != 2 or not supports(x, w):
+    if not supports(x, w):
         raise ValueError(
             f"row_matmul: needs x [M <= {ROWS}, K] and w [N, K] of one 16-bit dtype, K a multiple of {TILE_K}; "
             f"got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}"

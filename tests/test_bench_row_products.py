@@ -15,7 +15,7 @@ from longspec_jax.model_shapes import MODEL_SHAPES
 from tests.tiny_models import tiny_config
 
 
-def test_product_shapes_are_the_packed_layouts_matrices():
+def test_product_shapes_are_the_packed_layouts_matrices(monkeypatch):
     config = tiny_config()
     model = Transformer(config, dtype=jnp.float32, rngs=nnx.Rngs(0)).inference_layout()
     layer = model.layers[0]
@@ -25,11 +25,8 @@ def test_product_shapes_are_the_packed_layouts_matrices():
         "gate_up": layer.mlp.gate_up_proj.weight.shape,
         "down": layer.mlp.down_proj.weight.shape,
     }
-    MODEL_SHAPES["_tiny"] = config
-    try:
-        assert bench.product_shapes("_tiny") == packed
-    finally:
-        del MODEL_SHAPES["_tiny"]
+    monkeypatch.setitem(MODEL_SHAPES, "_tiny", config)
+    assert bench.product_shapes("_tiny") == packed
     assert bench.product_shapes("llama31_8b") == {
         "qkv": (6144, 4096),
         "o": (4096, 4096),
