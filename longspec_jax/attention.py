@@ -436,6 +436,15 @@ def _on_hopper() -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def hopper_multiprocessors() -> int:
+    """The multiprocessors of the Hopper GPU the kernels run compiled on (`_on_hopper`), else 0: what
+    a verify's streamed products size their grids by (`streamed_products`)."""
+    if not _on_hopper():
+        return 0
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return int(getattr(device, "core_count", 132))
+
+
 def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper: bool) -> bool:
     """Whether a verified block's attention runs on the Mosaic GPU kernel (`cache_attention_mgpu`)
     instead of the Triton hybrid kernel: on a Hopper GPU, for a 64-token block, a 16-bit cache of

@@ -9,7 +9,8 @@ Attention math lives in `attention.py`; this file only projects, rotates and sto
 `Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
 each, stored `[out, in]` (what a one-row product reads in one kernel; for a GPU, products of 2-3
 rows are written as a multiply and a float32 sum, which XLA keeps as one reduction kernel instead
-of a GEMM: `SMALL_ROWS`), and every forward computes
+of a GEMM: `SMALL_ROWS`; on a Hopper GPU a verified block's narrow 7B products stream their weight
+through a Mosaic GPU kernel instead: `streamed_products`), and every forward computes
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
@@ -41,6 +42,8 @@ from longspec_jax import attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
+from longspec_jax.streamed_products import streamer_knobs
+from pallas_kernels import row_matmul_mgpu
 from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
 
@@ -193,11 +196,23 @@ class PackedLinear(nnx.Module):
         out = x.dtype if scale is None else jnp.float32
         if rows in self.small_rows:
             y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(out)
+        elif (streamed := self._streamed(rows, x, w)) is not None:
+            flat = row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=out, **streamed)
+            y = flat.reshape(*x.shape[:-1], w.shape[0])
         else:
             y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out)
         if scale is not None:
             y = (y * scale).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+    @staticmethod
+    def _streamed(rows: int, x: jax.Array, w: jax.Array) -> dict | None:
+        """The streamer's knobs where a verify's product reads its weight on Hopper's units
+        (`streamed_products`), else None."""
+        num_sms = attention.hopper_multiprocessors()
+        if not num_sms or not row_matmul_mgpu.supports(jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype), w):
+            return None
+        return streamer_knobs(rows, *w.shape, w.size * w.dtype.itemsize, num_sms=num_sms)
 
     def folded_norm(self) -> dict:
         """`fused_linear`'s prologue arguments for this product's folded norm: its statistics, with a

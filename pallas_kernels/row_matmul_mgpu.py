@@ -13,10 +13,10 @@ The weight is in the inference layout, [N, K] (out, in), K contiguous: its tiles
 transposed right-hand side without a copy. With `splits` > 1 the K axis is cut into that many
 slices, a block each, and the float32 partials are summed by XLA.
 
-Not on the model's path yet: `benchmarks/bench_row_products.py` times it against XLA's products at
-7B shapes (BENCHMARKS.md, "A weight streamer for a few rows"); what decides its speed is how many
-weight bytes are in flight across the GPU, so the knobs that win give ~100-130 blocks of eight
-slots each, which the first timings did not try for the narrow products.
+`benchmarks/bench_row_products.py` times it against XLA's products at 7B shapes (BENCHMARKS.md, "A
+weight streamer for a few rows"); what decides its speed is how many weight bytes are in flight
+across the GPU, so the knobs that win give ~100-130 blocks of eight slots each. The model runs it
+for a verify's narrow products on Hopper GPUs (`longspec_jax/streamed_products.py`).
 """
 
 from __future__ import annotations
