@@ -11,14 +11,15 @@ columns and, where the strips are too few to fill the GPU, slices of their input
 `STAGES` tiles a block. On an H100 this made Llama-3-8B's verify at 32k 7.5 % faster. The wide
 gate|up product already fills the GPU under XLA and stays XLA's, as do one-row AR steps, a draft
 level's few rows, batched verifies past 64 rows and small models' products (their weights under
-`MIN_WEIGHT_BYTES`: launches, not bytes, bound those).
+`MIN_WEIGHT_BYTES`: launches, not bytes, bound those). The rule goes by rows alone, so a draft
+level of a batch (4 x 16 rows) streams too; that case was not timed.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import row_matmul_mgpu
 
-ROWS = range(17, row_matmul_mgpu.ROWS + 1)  # a verified block's rows (a draft level has at most 16)
+ROWS = range(17, row_matmul_mgpu.ROWS + 1)  # a verified block's (a batch-1 draft level has at most 16)
 MIN_WEIGHT_BYTES = 16 << 20  # a 7B layer's smallest product (o: 32-34 MB); SmolLM2's are < 2 MB
 BLOCKS_PER_SM = 0.7  # the fewest blocks a streamed product runs, per multiprocessor
 WIDE_TILE_N = 128  # a product with at least that many blocks of this many columns is wide: XLA's
