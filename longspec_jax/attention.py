@@ -426,7 +426,7 @@ def write_cache_rows(cache_rows: jax.Array, new: jax.Array, start: jax.Array) ->
     return jax.vmap(write)(cache_rows, new, start)
 
 
-def _on_hopper() -> bool:
+def on_hopper() -> bool:
     """Whether the kernels run compiled on a Hopper GPU (compute capability 9.x: wgmma and TMA): the
     default device's (`jax.default_device`, as the kernel counter compiles for a GPU it lacks), else
     the first device."""
@@ -434,15 +434,6 @@ def _on_hopper() -> bool:
         return False
     device = jax.config.jax_default_device or jax.devices()[0]
     return str(getattr(device, "compute_capability", "")).startswith("9")
-
-
-def hopper_multiprocessors() -> int:
-    """The multiprocessors of the Hopper GPU the kernels run compiled on (`_on_hopper`), else 0: what
-    a verify's streamed products size their grids by (`streamed_products`)."""
-    if not _on_hopper():
-        return 0
-    device = jax.config.jax_default_device or jax.devices()[0]
-    return int(getattr(device, "core_count", 132))
 
 
 def cache_on_hopper_units(num_tokens: int, num_heads: int, k_cache, *, on_hopper: bool) -> bool:
@@ -529,7 +520,7 @@ def attend_and_write_block(
             v_cache,
             lengths,
         )
-        if cache_on_hopper_units(t, num_heads, k_cache, on_hopper=_on_hopper()):
+        if cache_on_hopper_units(t, num_heads, k_cache, on_hopper=on_hopper()):
             return _verify_on_hopper_units(packed, self_mask, num_heads, scale)
         return _kernel(pallas_hybrid.hybrid_attention_and_write, *packed, self_mask, num_heads=num_heads, scale=scale)
     q, k_cache, v_cache = _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads)

@@ -43,7 +43,7 @@ from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
 from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 from longspec_jax.streamed_products import streamer_knobs
-from pallas_kernels import row_matmul_mgpu
+from pallas_kernels import flash_block, row_matmul_mgpu
 from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
 
@@ -209,10 +209,11 @@ class PackedLinear(nnx.Module):
     def _streamed(rows: int, x: jax.Array, w: jax.Array) -> dict | None:
         """The streamer's knobs where a verify's product reads its weight on Hopper's units
         (`streamed_products`), else None."""
-        num_sms = attention.hopper_multiprocessors()
-        if not num_sms or not row_matmul_mgpu.supports(jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype), w):
+        if not attention.on_hopper() or not row_matmul_mgpu.supports(
+            jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype), w
+        ):
             return None
-        return streamer_knobs(rows, *w.shape, w.size * w.dtype.itemsize, num_sms=num_sms)
+        return streamer_knobs(rows, *w.shape, w.size * w.dtype.itemsize, num_sms=flash_block.NUM_SMS)
 
     def folded_norm(self) -> dict:
         """`fused_linear`'s prologue arguments for this product's folded norm: its statistics, with a

@@ -13,7 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from longspec_jax import attention, streamed_products
 from longspec_jax.model import Linear, PackedLinear, RMSNorm
-from pallas_kernels import row_matmul_mgpu
+from pallas_kernels import flash_block, row_matmul_mgpu
 
 H100_SMS = 132
 
@@ -65,7 +65,8 @@ def test_a_streamed_product_equals_float64(monkeypatch, rows, num_sms, splits, f
     """Small shapes forced onto the streamer: a GPU of four or eight multiprocessors (four strips, in
     one slice or two), no weight too small; the product is the streamer's (counted) and equals
     norm-then-product in float64."""
-    monkeypatch.setattr(attention, "hopper_multiprocessors", lambda: num_sms)
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
+    monkeypatch.setattr(flash_block, "NUM_SMS", num_sms)
     monkeypatch.setattr(streamed_products, "MIN_WEIGHT_BYTES", 0)
     calls = []
     interpreted = functools.partial(row_matmul_mgpu.row_matmul, interpret=plgpu.InterpretGPUParams())

@@ -94,7 +94,7 @@ def test_route_matches_float64_in_the_interpreter(monkeypatch, hq, hkv, d):
         calls.append(kwargs["block_mask"] is not None)
         return compiled(*args, interpret=plgpu.InterpretGPUParams(), num_splits=2, **kwargs)
 
-    monkeypatch.setattr(attention, "_on_hopper", lambda: True)
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
     monkeypatch.setattr(mgpu_cache, "cache_attention", interpreted)
     monkeypatch.setattr(flash_block, "default_interpret", lambda: True)  # the Triton kernels too
     with jax.default_device(jax.devices("cpu")[0]):  # the interpreter runs on the CPU, GPU or not
@@ -106,7 +106,7 @@ def test_route_matches_float64_in_the_interpreter(monkeypatch, hq, hkv, d):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Mosaic GPU kernel needs a Hopper GPU")
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (32, 32), (40, 8)])  # head pairs, MHA, a group of 5
 def test_route_matches_float64_compiled(hq, hkv):
-    if not attention._on_hopper():
+    if not attention.on_hopper():
         pytest.skip("not a Hopper GPU")
     got, want = _verify(1, [0, 3001, 8000], capacity=8192, hq=hq, hkv=hkv, d=128)
     _check(got, want)
