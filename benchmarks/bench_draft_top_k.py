@@ -6,7 +6,8 @@ tree level's nodes times the batch) and k = 4 and 16, each call is timed inside 
 no host dispatch is in the figure), beside the floor: the head's bytes at the memory rate measured
 in the same run (`floors.measure_rates`; the rows' matrix work never binds here). The two paths'
 token ids are compared first (equal where the k-th and (k+1)-th log-probs are apart by more than
-rounding).
+rounding). The kernel also runs over the head's int8 rows (draft_head.py: a scale a row, half the
+bytes), beside the share of its top-k ids that equal the bfloat16 head's.
 
     python -m benchmarks.bench_draft_top_k [--shapes 49152x576,128256x4096]
 """
@@ -14,6 +15,7 @@ rounding).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -22,19 +24,21 @@ import numpy as np
 
 from benchmarks import floors
 from longspec_jax.draft import draft_top_k
+from longspec_jax.draft_head import DraftHead, quantized_rows
 
 ITERATIONS = 200
 
 
-def loop_us(impl: str, model, features, k: int) -> float:
-    """Microseconds per draft_top_k call, timed as ITERATIONS calls in one device loop (each call's
-    input depends on the previous result, so none is hoisted or overlapped)."""
+def loop_us(top_k, features) -> float:
+    """Microseconds per top_k(features) -> (best, ids) call, timed as ITERATIONS calls in one device
+    loop (each call's input depends on the previous result, so none is hoisted or overlapped)."""
 
     def body(_, carry):
         x, total = carry
-        best, ids = draft_top_k(model, x, k, attn_impl=impl)
-        nudge = (best[0, 0, 0] * 1e-30 + ids[0, 0, 0].astype(jnp.float32) * 1e-30).astype(x.dtype)
-        return x + nudge, total + best[0, 0, 0]
+        best, ids = top_k(x)
+        first, first_id = best.reshape(-1)[0], ids.reshape(-1)[0]
+        nudge = (first * 1e-30 + first_id.astype(jnp.float32) * 1e-30).astype(x.dtype)
+        return x + nudge, total + first
 
     run = jax.jit(lambda x: jax.lax.fori_loop(0, ITERATIONS, body, (x, jnp.float32(0))))
     jax.block_until_ready(run(features))
@@ -65,21 +69,33 @@ def main(argv=None) -> None:
     print(
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}; memory {rates.bandwidth / 1e9:.0f} GB/s; us per call"
     )
-    print("| V x H | rows | k | XLA us | kernel us | head floor us | XLA / kernel | kernel / floor | ids agree |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "| V x H | rows | k | XLA us | kernel us | head floor us | XLA / kernel | kernel / floor | ids agree "
+        "| int8 kernel us | int8 floor us | int8 / kernel | int8 / its floor | int8 ids as bf16's |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for shape in args.shapes.split(","):
         vocab, hidden = (int(x) for x in shape.split("x"))
         head = jax.random.normal(jax.random.key(0), (vocab, hidden), jnp.bfloat16) * 0.05
         model = _HeadOnly(head)
+        int8 = DraftHead(*quantized_rows(head), None)
         for rows in (int(r) for r in args.rows.split(",")):
             floor_us = rates.seconds(head.nbytes, 2 * rows * vocab * hidden) * 1e6  # the head read once
+            int8_floor_us = rates.seconds(int8.rows.nbytes + int8.scale.nbytes, 2 * rows * vocab * hidden) * 1e6
             features = jax.random.normal(jax.random.key(rows), (1, rows, hidden), jnp.bfloat16)
             for k in (4, 16):
-                xla_us = loop_us("xla", model, features, k)
-                kernel_us = loop_us("pallas", model, features, k)
+                xla_us = loop_us(functools.partial(draft_top_k, model, k=k, attn_impl="xla"), features)
+                kernel_us = loop_us(functools.partial(draft_top_k, model, k=k, attn_impl="pallas"), features)
+                int8_us = loop_us(lambda x, head=int8, k=k: head.top_k(x[0], k), features)
+                same = np.mean(
+                    np.asarray(int8.top_k(features[0], k)[1])
+                    == np.asarray(draft_top_k(model, features, k, attn_impl="pallas")[1][0])
+                )
                 print(
                     f"| {vocab} x {hidden} | {rows} | {k} | {xla_us:.1f} | {kernel_us:.1f} | {floor_us:.1f} | "
-                    f"{xla_us / kernel_us:.2f} | {kernel_us / floor_us:.2f} | {agree(model, features, k)} |",
+                    f"{xla_us / kernel_us:.2f} | {kernel_us / floor_us:.2f} | {agree(model, features, k)} | "
+                    f"{int8_us:.1f} | {int8_floor_us:.1f} | {int8_us / kernel_us:.2f} | {int8_us / int8_floor_us:.2f} "
+                    f"| {100 * same:.0f} % |",
                     flush=True,
                 )
 

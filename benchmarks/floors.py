@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longspec_jax.decode_kit import cache_bytes
+from longspec_jax.draft_head import reads_int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +101,17 @@ def step_seconds(model, rows: int, context: int, batch: int, rates: Rates) -> fl
 
 def draft_level_seconds(model, draft, rows: int, context: int, batch: int, rates: Rates) -> float:
     """The floor of one level of a draft's tree: `rows` nodes a sequence through the draft's block,
-    the shared LM head (the rows of its candidate tokens, if it has them) and its cross-attention to
-    the target's last-layer K/V (`context` rows; the draft's own window left out)."""
+    the shared LM head (the rows of its candidate tokens, if it has them; int8 and a float32 scale a
+    row where the draft reads it so, draft_head.py) and its cross-attention to the target's
+    last-layer K/V (`context` rows; the draft's own window left out)."""
     c = model.config
     itemsize = jnp.dtype(model.dtype).itemsize
     head_rows = c.vocab_size if draft.candidate_tokens is None else len(draft.candidate_tokens)
+    int8 = reads_int8(draft.head_format, head_rows, c.hidden_size, model.dtype)
     block = jax.tree.leaves(nnx.state(draft.block))
     weights = sum(x.size for x in block) + head_rows * c.hidden_size
-    weight_bytes = cache_bytes(block) + head_rows * c.hidden_size * itemsize
+    head_bytes = head_rows * (c.hidden_size + 4) if int8 else head_rows * c.hidden_size * itemsize
+    weight_bytes = cache_bytes(block) + head_bytes
     kv_rows = batch * context
     return rates.seconds(
         weight_bytes + 2 * kv_rows * c.num_kv_heads * c.head_dim * itemsize,

@@ -456,6 +456,8 @@ def load_models(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from longspec_jax.draft_head import HEAD_FORMATS
+
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
     p.add_argument("--eval-dir", type=Path, help="folder made by infer.build_eval_sets")
     p.add_argument("--target", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
@@ -463,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampling-draft",
         help="the draft of sampled runs (default: --draft where given, else the target's shipped sampling draft)",
+    )
+    p.add_argument(
+        "--draft-head",
+        choices=HEAD_FORMATS,
+        default="auto",
+        help="how the drafts read the LM head: int8 rows (half the bytes), the target's own, or auto "
+        "(int8 for a head of 64 MiB or more)",
     )
     p.add_argument(
         "--modes",
@@ -538,6 +547,7 @@ def run(args: argparse.Namespace) -> dict:
     target, draft, sampling_draft = load_models(
         args.target, args.draft, args.sampling_draft, args.dtype, bool({"longspec", "auto"} & mode_names)
     )
+    draft, sampling_draft = (d and d.with_head_format(args.draft_head) for d in (draft, sampling_draft))
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "

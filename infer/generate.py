@@ -19,6 +19,7 @@ import jax
 
 from longspec_jax.adaptive import DEFAULT_LOOKUP_TOKENS
 from longspec_jax.attention import IMPLS
+from longspec_jax.draft_head import HEAD_FORMATS
 from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import UserError
 from longspec_jax.generation import AUTO_MODE, DEFAULT_MODE, MODES, Generator
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--full-draft-vocabulary",
         action="store_true",
         help="let the draft propose from the whole vocabulary, not only the candidate tokens it was saved with",
+    )
+    p.add_argument(
+        "--draft-head",
+        choices=HEAD_FORMATS,
+        default="auto",
+        help="how the draft reads the LM head: int8 rows (half the bytes; the output stays the target's), "
+        "the target's own, or auto (int8 for a head of 64 MiB or more)",
     )
     p.add_argument("--max-new-tokens", type=int_in_range(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -195,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--sampling-draft applies to --mode longspec only: drop it or pass --mode longspec")
     if args.full_draft_vocabulary and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
+    if args.draft_head != "auto" and args.mode not in ("longspec", AUTO_MODE):
+        raise UserError("--draft-head applies to a draft's modes: drop it or pass --mode longspec")
     if args.lookup_tokens and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--lookup-tokens goes beside a draft's tree: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
@@ -214,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
         draft = draft or inference_draft(target)
         draft = None if draft is None else draft.with_candidate_tokens(None)
         sampling_draft = None if sampling_draft is None else sampling_draft.with_candidate_tokens(None)
+    if args.draft_head != "auto":
+        sampling_draft = sampling_draft_for(target, draft, sampling_draft)
+        draft = draft or inference_draft(target)
+        draft, sampling_draft = (d and d.with_head_format(args.draft_head) for d in (draft, sampling_draft))
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
     generator = Generator(
         target,

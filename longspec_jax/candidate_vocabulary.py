@@ -6,7 +6,7 @@ at Llama-3's 128k). The candidates need not be exact for the output to be (the t
 decides every token), so a draft may carry the ids of the tokens its text actually uses
 (`Draft.candidate_tokens`, saved with it; `train.candidate_tokens` counts them over a corpus) and
 rank only those. The head's rows for them are gathered once, when the proposer is built
-(`candidate_vocabulary`), and a level reads that smaller head. Greedy output and the sampling
+(`draft_head.draft_head`), and a level reads that smaller head. Greedy output and the sampling
 distribution stay the target's; what a cut costs is the rounds where the target's pick lies
 outside it.
 """
@@ -15,35 +15,9 @@ from __future__ import annotations
 
 import hashlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from longspec_jax.errors import UserError
-
-
-@struct.dataclass
-class CandidateVocabulary:
-    """ids int32[C] (ascending): the draft's candidate tokens; head [C, H]: the target's LM head
-    rows of those tokens, in its dtype."""
-
-    ids: jax.Array
-    head: jax.Array
-
-    def full_logits(self, logits: jax.Array, vocab_size: int) -> jax.Array:
-        """Logits [..., C] over the candidates -> float32[..., vocab_size], -inf at every other token
-        (a distribution over the candidates alone once softmaxed)."""
-        full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
-        return full.at[..., self.ids].set(logits.astype(jnp.float32))
-
-
-def candidate_vocabulary(target_model, ids) -> CandidateVocabulary:
-    """The `CandidateVocabulary` of token ids (checked by `check_candidate_tokens`) under the LM
-    head of `target_model` (a `Transformer`: its lm_head, or its tied embedding)."""
-    head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
-    ids = jnp.asarray(ids, jnp.int32)
-    return CandidateVocabulary(ids=ids, head=jnp.take(head, ids, axis=0))
 
 
 def check_candidate_tokens(ids, vocab_size: int, source: str) -> np.ndarray:

@@ -38,15 +38,14 @@ import numpy as np
 from flax import nnx, struct
 
 from longspec_jax import attention
-from longspec_jax.candidate_vocabulary import CandidateVocabulary
 from longspec_jax.chunked_loss import chunked_next_token_loss
 from longspec_jax.config import ModelConfig
+from longspec_jax.draft_head import DraftHead
 from longspec_jax.errors import UserError
 from longspec_jax.model import MLP, Linear, PackedLinear, PackedMLP, RMSNorm
 from longspec_jax.rope import apply_rope, inverse_frequencies
 from longspec_jax.sampling import SamplingParams, filtered_logits
 from longspec_jax.tree import vocab_top_k
-from pallas_kernels.head_top_k import head_top_k
 
 DEFAULT_TREE_SLOTS = 128
 
@@ -392,32 +391,27 @@ def _forward_block(
     return block.forward(target_model.embed_tokens(tokens), positions, self_attend, cross_attend)
 
 
-def _fused_head_top_k(target_model, features, k: int, noise=None, vocabulary: CandidateVocabulary | None = None):
-    """`head_top_k` over the target's head for features [B,T,H] (noise [B, V] or None) -> [B,T,k]
-    each; with a candidate vocabulary over its rows only (ids mapped back to the vocabulary's)."""
+def _fused_head_top_k(target_model, features, k: int, noise=None, head: DraftHead | None = None):
+    """`head_top_k` over the draft's head for features [B,T,H] (noise [B, V] or None) -> [B,T,k]
+    each: the target's head as it is, or `head` (a candidate vocabulary's rows, int8 rows; ids
+    mapped back to the vocabulary's)."""
     b, t, h = features.shape
-    if vocabulary is None:
-        head = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
-    else:
-        head = vocabulary.head
-        noise = None if noise is None else jnp.take(noise, vocabulary.ids, axis=1)
+    if head is None:
+        rows = target_model.embed[...] if target_model.lm_head is None else target_model.lm_head[...]
+        head = DraftHead(rows, None, None)
     try:
-        best, ids = head_top_k(features.reshape(b * t, h).astype(head.dtype), head, k, noise=noise)
+        best, ids = head.top_k(features.reshape(b * t, h), k, noise)
     except ValueError as err:  # a head the kernel cannot take: the user's choice of impl
         raise UserError(f"{err}; use attn_impl 'xla' for this model") from err
-    if vocabulary is not None:
-        ids = jnp.take(vocabulary.ids, ids)
     return best.reshape(b, t, k), ids.reshape(b, t, k)
 
 
-def draft_logits(target_model, features, vocabulary: CandidateVocabulary | None = None) -> jax.Array:
-    """The draft's next-token logits float32[B,T,V] after features [B,T,H] under the target's LM
-    head; with a candidate vocabulary from its rows only, -inf at every other token."""
-    if vocabulary is None:
+def draft_logits(target_model, features, head: DraftHead | None = None) -> jax.Array:
+    """The draft's next-token logits float32[B,T,V] after features [B,T,H] under its head: the
+    target's LM head as it is, or `head` (-inf at tokens outside a candidate vocabulary)."""
+    if head is None:
         return target_model.lm_logits(features)
-    head = vocabulary.head
-    cut = jnp.einsum("bth,vh->btv", features.astype(head.dtype), head, preferred_element_type=jnp.float32)
-    return vocabulary.full_logits(cut, target_model.config.vocab_size)
+    return head.full_logits(head.logits(features), target_model.config.vocab_size)
 
 
 def draft_top_k(target_model, features, k: int, *, attn_impl=None):
@@ -455,18 +449,18 @@ def draft_candidates(
     noise,
     *,
     attn_impl=None,
-    vocabulary: CandidateVocabulary | None = None,
+    head: DraftHead | None = None,
 ):
     """`candidates_from_logits` for the draft's features [B,T,H] under the target's LM head, the
-    noise float32[B, V] zero when greedy; with a candidate vocabulary, from its tokens alone
-    (candidate_vocabulary.py). With the Pallas kernels and no top-k / top-p filter, one
+    noise float32[B, V] zero when greedy; with a `DraftHead`, under its rows (a candidate
+    vocabulary's tokens alone, int8 rows: draft_head.py). With the Pallas kernels and no top-k / top-p filter, one
     `head_top_k` pass ranks logit + T * noise (the order of logit / T + noise) and returns
     log-prob + T * noise: the log-probs when greedy, the margins once less the best and over T.
     No branch on the traced greedy flag: a conditional cost each tree level ~10 us on the H200."""
     if _impl(attn_impl) == "pallas" and not (sampling.use_top_k or sampling.use_top_p):
-        best, ids = _fused_head_top_k(target_model, features, k, noise * sampling.temperature, vocabulary)
+        best, ids = _fused_head_top_k(target_model, features, k, noise * sampling.temperature, head)
         return jnp.where(sampling.greedy, best, (best - best[..., :1]) / sampling.temperature), ids
-    return candidates_from_logits(draft_logits(target_model, features, vocabulary), k, sampling, noise)
+    return candidates_from_logits(draft_logits(target_model, features, head), k, sampling, noise)
 
 
 def tree_slots(state: DraftState, window: int) -> int:

@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longspec_jax.candidate_vocabulary import CandidateVocabulary, candidate_vocabulary, check_candidate_tokens
+from longspec_jax.candidate_vocabulary import candidate_tokens_key, check_candidate_tokens
 from longspec_jax.checkpoint_hf import read_hf_tensors, read_safetensors_file
 from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.draft import DraftBlock, DraftConfig
+from longspec_jax.draft_head import DraftHead, check_head_format, draft_head
 from longspec_jax.errors import UserError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -48,11 +49,13 @@ MAX_WINDOW = 1 << 20
 class Draft:
     """A draft ready to run: `.block` (DraftBlock, float32 unless cast), `.config` (DraftConfig),
     `.target_config` (the ModelConfig it was built for), `.candidate_tokens` (int32[C] ascending:
-    the tokens it proposes from, candidate_vocabulary.py; None: the whole vocabulary)."""
+    the tokens it proposes from, candidate_vocabulary.py; None: the whole vocabulary), `.head_format`
+    (how it reads the LM head, draft_head.HEAD_FORMATS: "auto" is int8 for a large head)."""
 
     block: DraftBlock
     candidate_tokens: np.ndarray | None = None
-    # What inference_block and vocabulary_under built, by key, each with the identities of its sources.
+    head_format: str = "auto"
+    # What inference_block and head_under built, by key, each with the identities of its sources.
     _built: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -71,15 +74,14 @@ class Draft:
         arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.block)))
         return self._once(("block", small_rows), arrays, lambda: self.block.inference_layout(small_rows))
 
-    def vocabulary_under(self, target_model) -> CandidateVocabulary | None:
-        """The candidate tokens' rows of target_model's LM head (`candidate_vocabulary`; None without
-        candidate tokens), gathered once per head and shared like `inference_block`'s block (32k rows
-        of a 4,096-wide head are 0.27 GB)."""
-        if self.candidate_tokens is None:
-            return None
+    def head_under(self, target_model) -> DraftHead | None:
+        """The head this draft ranks its candidates under in target_model (`draft_head.draft_head`:
+        its candidate tokens' rows, int8 where `head_format` says so; None: the target's head as it
+        is), built once per head and shared like `inference_block`'s block (32k rows of a 4,096-wide
+        head are 0.27 GB; Llama-3's int8 head 0.5 GB)."""
         head = target_model.embed if target_model.lm_head is None else target_model.lm_head
-        sources = (id(head[...]), id(self.candidate_tokens))
-        return self._once(("vocabulary",), sources, lambda: candidate_vocabulary(target_model, self.candidate_tokens))
+        sources = (id(head[...]), id(self.candidate_tokens), self.head_format)
+        return self._once(("head",), sources, lambda: draft_head(target_model, self.candidate_tokens, self.head_format))
 
     def _once(self, key, sources: tuple, build):
         """build(), kept under key while `sources` (identities of what it was built from) hold."""
@@ -90,13 +92,24 @@ class Draft:
     def cast(self, dtype) -> Draft:
         """A copy with every parameter in `dtype` (bfloat16 for inference)."""
         graphdef, state = nnx.split(self.block)
-        return Draft(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state)), self.candidate_tokens)
+        block = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state))
+        return Draft(block, self.candidate_tokens, self.head_format)
 
     def with_candidate_tokens(self, ids) -> Draft:
         """The same draft proposing from token ids (None: from the whole vocabulary)."""
         if ids is not None:
             ids = check_candidate_tokens(ids, self.target_config.vocab_size, "candidate tokens")
         return dataclasses.replace(self, candidate_tokens=ids)
+
+    def proposal_key(self) -> str:
+        """What this draft proposes from, for the keys of what its rounds cost and keep: its
+        candidate tokens (`candidate_tokens_key`) and a head format other than "auto"."""
+        key = candidate_tokens_key(self.candidate_tokens)
+        return key if self.head_format == "auto" else f"{key}/{self.head_format}"
+
+    def with_head_format(self, head_format: str) -> Draft:
+        """The same draft reading the LM head as `head_format` says (draft_head.HEAD_FORMATS)."""
+        return dataclasses.replace(self, head_format=check_head_format(head_format))
 
     def save(self, path: str | Path) -> Path:
         """Write our export: `path/model.safetensors` (reference names, parameter dtype; the

@@ -48,7 +48,6 @@ from longspec_jax.adaptive import (
     greedy_deep_tree,
 )
 from longspec_jax.calibration import calibrated, calibration_key, kept_costs, policy_stats, unmeasured_setup
-from longspec_jax.candidate_vocabulary import candidate_tokens_key
 from longspec_jax.compile_cache import enable_compile_cache
 from longspec_jax.decode_kit import (
     GenerationResult,
@@ -258,7 +257,7 @@ class Generator:
                 self._fingerprints[sampled] = weights_fingerprint(
                     (self.params, None if draft is None else nnx.state(draft.block))
                 )
-            vocabulary = None if draft is None else candidate_tokens_key(draft.candidate_tokens)
+            vocabulary = None if draft is None else draft.proposal_key()
             self._memory_keys[kind] = memory_key(
                 weights=self._fingerprints[sampled],
                 draft_vocabulary=vocabulary,
@@ -352,7 +351,7 @@ class Generator:
                 target=repr(self.target.config),
                 dtype=str(self.target.dtype),
                 draft=None if draft is None else repr(draft.config),
-                draft_vocabulary=None if draft is None else candidate_tokens_key(draft.candidate_tokens),
+                draft_vocabulary=None if draft is None else draft.proposal_key(),
                 batch=start_args[3].shape[0],
                 cache_rows=cache_len,
                 new_bucket=new_bucket,

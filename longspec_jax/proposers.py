@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from longspec_jax.candidate_vocabulary import CandidateVocabulary
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft import (
     draft_candidates,
@@ -52,6 +51,7 @@ from longspec_jax.draft import (
     draft_remember,
     init_draft_state,
 )
+from longspec_jax.draft_head import DraftHead
 from longspec_jax.errors import UserError
 from longspec_jax.model import small_rows_for
 from longspec_jax.pld import propose_chain
@@ -145,11 +145,12 @@ class PromptLookup:
 
 @struct.dataclass
 class DraftParams:
-    """A `BlockDraft`'s parameters: the block's (nnx.split in its inference layout) and the draft's
-    candidate vocabulary (candidate_vocabulary.py; None: the whole vocabulary)."""
+    """A `BlockDraft`'s parameters: the block's (nnx.split in its inference layout) and the head
+    it ranks its candidates under (draft_head.py: a candidate vocabulary's rows, int8 rows; None:
+    the target's LM head as it is)."""
 
     block: Any
-    vocabulary: CandidateVocabulary | None = None
+    head: DraftHead | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +200,10 @@ class BlockDraft:
         )
 
     def candidates(self, params, target_model, features, k, attn_impl, sampling, noise):
-        return draft_candidates(
-            target_model, features, k, sampling, noise, attn_impl=attn_impl, vocabulary=params.vocabulary
-        )
+        return draft_candidates(target_model, features, k, sampling, noise, attn_impl=attn_impl, head=params.head)
 
     def logits(self, params, target_model, features):
-        return draft_logits(target_model, features, params.vocabulary)
+        return draft_logits(target_model, features, params.head)
 
 
 @struct.dataclass
@@ -401,19 +400,18 @@ def resolve_widths(mode: str, tree_widths, vocab_size: int) -> tuple[int, ...]:
 def draft_parameters(draft, target, small_rows=None, widths=()) -> tuple[Any, DraftParams]:
     """(graphdef, `DraftParams`) of the draft's block in its inference layout
     (`DraftBlock.inference_layout`; small_rows: its products written as multiply-reduce, by default
-    the target's choice for the backend) and, when the draft carries candidate tokens, their rows
-    of `target`'s LM head. widths: the trees it will grow (each level needs that many candidates)."""
+    the target's choice for the backend) and the head it ranks under (`Draft.head_under`: its
+    candidate tokens' rows of `target`'s LM head, int8 rows where its head format says so). widths:
+    the trees it will grow (each level needs that many candidates)."""
     rows = tuple(small_rows_for(jax.default_backend()) if small_rows is None else small_rows)
     graphdef, block = nnx.split(draft.inference_block(rows))
     ids = draft.candidate_tokens
-    if ids is None:
-        return graphdef, DraftParams(block)
-    if max(widths, default=0) > len(ids):
+    if ids is not None and max(widths, default=0) > len(ids):
         raise UserError(
             f"a tree level of {max(widths)} candidates needs at least that many candidate tokens, the draft has "
             f"{len(ids)}: use narrower --tree-widths, or the whole vocabulary (--full-draft-vocabulary)"
         )
-    return graphdef, DraftParams(block, draft.vocabulary_under(target.model))
+    return graphdef, DraftParams(block, draft.head_under(target.model))
 
 
 def check_lookup_tokens(mode: str, widths: tuple[int, ...], lookup_tokens: int) -> None:

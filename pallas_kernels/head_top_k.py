@@ -28,6 +28,13 @@ axis, so a tile reads one noise row.
 
 A tile with fewer than k tokens (the last one, when V is not a multiple of the tile) pads its
 candidates with -inf, never chosen: there are V >= k finite logits ahead of them.
+
+The head may be int8 with a float32 scale a row (`head_scale`, row v = head[v] * head_scale[v]):
+a tile converts each int8 chunk to the hidden state's dtype as it loads it (exact: |q| <= 127),
+multiplies it as the first operand (the tile's logits transposed: Hopper's matrix units take
+that operand from registers, where the conversion leaves it, and the second from shared memory)
+and scales its float32 logits per token after the loop over H, so a level reads half the bytes
+of a bfloat16 head (longspec_jax/draft_head.py chooses it).
 """
 
 from __future__ import annotations
@@ -93,13 +100,13 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
     return values, best_ids
 
 
-def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy):
-    """hidden [G, W, H], head [V, H] and (noisy) noise [G, V] whole; writes this program's tile of
-    values, ids [G, W, T, k] and max, sum [G, W, T]."""
-    if noisy:
-        hidden_ref, head_ref, noise_ref, values_ref, ids_ref, max_ref, sum_ref = refs
-    else:
-        hidden_ref, head_ref, values_ref, ids_ref, max_ref, sum_ref = refs
+def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
+    """hidden [G, W, H], head [V, H], (scaled) head_scale [V] and (noisy) noise [G, V] whole; writes
+    this program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
+    hidden_ref, head_ref, *refs = refs
+    scale_ref = refs.pop(0) if scaled else None
+    noise_ref = refs.pop(0) if noisy else None
+    values_ref, ids_ref, max_ref, sum_ref = refs
     _, num_rows, dim = hidden_ref.shape
     vocab = head_ref.shape[0]
     group = pl.program_id(0)
@@ -113,10 +120,15 @@ def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy):
     def accumulate(c, logits):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         x = plgpu.load(hidden_ref.at[group, pl.ds(row0, block_rows), cols], mask=row_ok[:, None], other=0.0)
-        w = plgpu.load(head_ref.at[tokens, cols], mask=token_ok[:, None], other=0.0)
+        w = plgpu.load(head_ref.at[tokens, cols], mask=token_ok[:, None], other=0)
+        if scaled:  # logits.T: the converted head chunk is the dot's first operand, taken from registers
+            return logits + plgpu.dot(w.astype(x.dtype), x, trans_b=True, allow_tf32=False)
         return logits + plgpu.dot(x, w, trans_b=True, allow_tf32=False)
 
-    logits = lax.fori_loop(0, dim // chunk, accumulate, jnp.zeros((block_rows, block_vocab), jnp.float32))
+    shape = (block_vocab, block_rows) if scaled else (block_rows, block_vocab)
+    logits = lax.fori_loop(0, dim // chunk, accumulate, jnp.zeros(shape, jnp.float32))
+    if scaled:
+        logits = logits.T * plgpu.load(scale_ref.at[tokens], mask=token_ok, other=0.0)[None, :]
     logits = jnp.where(token_ok[None, :], logits, -jnp.inf)
     top = jnp.max(logits, axis=1)  # finite: every tile holds at least one token
     total = jnp.sum(jnp.exp(logits - top[:, None]), axis=1)
@@ -159,7 +171,7 @@ def _merge_kernel(values_ref, ids_ref, max_ref, sum_ref, log_probs_ref, top_ids_
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "block_rows", "block_vocab", "num_warps", "num_stages"))
-def _head_top_k(hidden, head, noise, *, k, interpret, block_rows, block_vocab, num_warps, num_stages):
+def _head_top_k(hidden, head, head_scale, noise, *, k, interpret, block_rows, block_vocab, num_warps, num_stages):
     rows, dim = hidden.shape
     vocab = head.shape[0]
     groups = 1 if noise is None else noise.shape[0]
@@ -167,9 +179,17 @@ def _head_top_k(hidden, head, noise, *, k, interpret, block_rows, block_vocab, n
     chunk = head_chunk(dim, block_vocab, head.dtype.itemsize)
     tiles = pl.cdiv(vocab, block_vocab)
     tile_kernel = functools.partial(
-        _tile_kernel, k=k, block_rows=block_rows, block_vocab=block_vocab, chunk=chunk, noisy=noise is not None
+        _tile_kernel,
+        k=k,
+        block_rows=block_rows,
+        block_vocab=block_vocab,
+        chunk=chunk,
+        noisy=noise is not None,
+        scaled=head_scale is not None,
     )
-    inputs = (hidden.reshape(groups, per_group, dim), head) + (() if noise is None else (noise.astype(jnp.float32),))
+    inputs = (hidden.reshape(groups, per_group, dim), head)
+    inputs += () if head_scale is None else (head_scale.astype(jnp.float32),)
+    inputs += () if noise is None else (noise.astype(jnp.float32),)
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
         grid=(groups, pl.cdiv(per_group, block_rows), tiles),
@@ -202,13 +222,20 @@ def _head_top_k(hidden, head, noise, *, k, interpret, block_rows, block_vocab, n
     )
 
 
-def _check(hidden, head, k, noise) -> None:
+def _check(hidden, head, k, noise, head_scale) -> None:
     if hidden.ndim != 2 or head.ndim != 2:
         raise ValueError(f"head_top_k: expected hidden [R, H] and head [V, H], got {hidden.shape} and {head.shape}")
     if hidden.shape[1] != head.shape[1]:
         raise ValueError(f"head_top_k: hidden {hidden.shape} and head {head.shape} must share H")
-    if hidden.dtype != head.dtype or not jnp.issubdtype(hidden.dtype, jnp.floating):
+    if not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise ValueError(f"head_top_k: hidden must be floating point, got {hidden.dtype}")
+    if head_scale is None and hidden.dtype != head.dtype:
         raise ValueError(f"head_top_k: hidden and head must share one float dtype, got {hidden.dtype}, {head.dtype}")
+    if head_scale is not None and (head.dtype != jnp.int8 or head_scale.shape != head.shape[:1]):
+        raise ValueError(
+            f"head_top_k: head_scale [V] goes with an int8 head [V, H], got {head_scale.shape} and {head.dtype} "
+            f"{head.shape}"
+        )
     if hidden.shape[0] < 1:
         raise ValueError(f"head_top_k: hidden needs at least one row, got {hidden.shape}")
     if not 1 <= k <= head.shape[0]:
@@ -225,10 +252,21 @@ def _check(hidden, head, k, noise) -> None:
 
 
 def head_top_k(
-    hidden, head, k, *, noise=None, interpret=None, block_rows=None, block_vocab=None, num_warps=None, num_stages=None
+    hidden,
+    head,
+    k,
+    *,
+    head_scale=None,
+    noise=None,
+    interpret=None,
+    block_rows=None,
+    block_vocab=None,
+    num_warps=None,
+    num_stages=None,
 ):
     """hidden [R, H] (any float dtype, typically bfloat16), head [V, H] (same dtype; the LM head /
-    tied embedding, rows = tokens).
+    tied embedding, rows = tokens), or int8 with head_scale float32[V] (row v is head[v] *
+    head_scale[v]).
 
     Returns (log_probs float32[R, k], ids int32[R, k]): the k largest entries of
     log_softmax(hidden @ head.T) per row, in descending order, ties to the lower token id (as
@@ -237,7 +275,7 @@ def head_top_k(
     as log-prob + noise (module doc). Block sizes (powers of two,
     block_rows >= 16) and Triton's num_warps / num_stages default to choices for the H200.
     """
-    _check(hidden, head, k, noise)
+    _check(hidden, head, k, noise, head_scale)
     per_group = hidden.shape[0] // (1 if noise is None else noise.shape[0])
     block_rows = fb.block_size(per_group, MAX_BLOCK_ROWS) if block_rows is None else block_rows
     block_vocab = BLOCK_VOCAB if block_vocab is None else block_vocab
@@ -249,6 +287,7 @@ def head_top_k(
     return _head_top_k(
         hidden,
         head,
+        head_scale,
         noise,
         k=k,
         interpret=fb.default_interpret() if interpret is None else interpret,

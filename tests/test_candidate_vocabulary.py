@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longspec_jax.candidate_vocabulary import candidate_tokens_key, candidate_vocabulary, check_candidate_tokens
+from longspec_jax.candidate_vocabulary import candidate_tokens_key, check_candidate_tokens
 from longspec_jax.draft import draft_candidates, draft_logits
+from longspec_jax.draft_head import draft_head
 from longspec_jax.draft_io import init_draft, load_draft
 from longspec_jax.errors import UserError
 from longspec_jax.generation import generate
@@ -39,8 +40,8 @@ def restricted(logits, ids):
 
 def test_draft_logits_are_the_heads_on_the_candidates_and_minus_inf_elsewhere(target):
     features = jax.random.normal(jax.random.key(1), (2, 3, 96))
-    vocabulary = candidate_vocabulary(target.model, KEPT)
-    got = np.asarray(draft_logits(target.model, features, vocabulary))
+    head = draft_head(target.model, KEPT, "target")
+    got = np.asarray(draft_logits(target.model, features, head))
     full = np.asarray(draft_logits(target.model, features))
     assert got.shape == full.shape == (2, 3, VOCAB)
     np.testing.assert_allclose(got, restricted(full, KEPT), rtol=1e-5, atol=1e-5)
@@ -56,8 +57,8 @@ def test_candidates_come_from_the_vocabulary_as_the_restricted_logits_rank_them(
     features = jax.random.normal(jax.random.key(1), (2, 3, 96)) * 20.0
     sampling = SamplingParams.create(temperature=temperature)
     noise = gumbel_noise(jax.random.key(2), (2, VOCAB), sampling)
-    vocabulary = candidate_vocabulary(target.model, KEPT)
-    best, ids = draft_candidates(target.model, features, 4, sampling, noise, attn_impl=impl, vocabulary=vocabulary)
+    head = draft_head(target.model, KEPT, "target")
+    best, ids = draft_candidates(target.model, features, 4, sampling, noise, attn_impl=impl, head=head)
     assert np.isin(np.asarray(ids), KEPT).all()
     # Ranked as by the restricted logits with their log-softmax over the kept tokens.
     logits = restricted(np.asarray(target.model.lm_logits(features)), KEPT)

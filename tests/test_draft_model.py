@@ -390,8 +390,8 @@ def test_proposers_of_one_draft_share_its_packed_block():
     assert not any(a is b for a, b in zip(first, third))
     np.testing.assert_allclose(np.asarray(third[0]), 2 * np.asarray(first[0]), rtol=1e-6)
     cut = draft.with_candidate_tokens(np.arange(0, 64, 2))  # the head's rows of its candidates, gathered once
-    vocabularies = [proposer_for("longspec", target, cut, w)[1].vocabulary for w in ((2, 2), (4, 1))]
-    assert vocabularies[0].head is vocabularies[1].head and vocabularies[0].head.shape == (
+    heads = [proposer_for("longspec", target, cut, w)[1].head for w in ((2, 2), (4, 1))]
+    assert heads[0].rows is heads[1].rows and heads[0].rows.shape == (
         32,
         target.config.hidden_size,
     )

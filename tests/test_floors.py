@@ -74,6 +74,8 @@ def test_a_draft_level_reads_its_block_the_head_and_the_last_layer_cache():
     assert cut_draft.candidate_tokens.tolist() == list(range(32))
     cut = floors.draft_level_seconds(model, cut_draft, 4, 64, 1, BYTES)
     assert one - cut == (c.vocab_size - 32) * c.hidden_size * 4  # only its candidates' rows of the head
+    int8 = floors.draft_level_seconds(model, draft.with_head_format("int8"), 4, 64, 1, BYTES)
+    assert one - int8 == c.vocab_size * (c.hidden_size * 4 - (c.hidden_size + 4))  # a byte a weight, a scale a row
 
 
 def test_a_round_of_draft_levels_runs_the_root_then_each_level_but_the_last():

@@ -148,13 +148,50 @@ def test_vocabulary_smaller_than_one_tile(v, k):
     np.testing.assert_allclose(np.asarray(log_probs), want_log_probs, rtol=1e-5, atol=1e-5)
 
 
+def int8_rows(rng, v, h):
+    """An int8 head of v rows and its float32 scale a row, as draft_head quantises one (|q| <= 127)."""
+    head = jnp.asarray(rng.integers(-127, 128, size=(v, h)), jnp.int8)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, size=v) * (3.0 / (127 * np.sqrt(h))), jnp.float32)
+    return head, scale
+
+
+# (R, V, H, k, hidden dtype, noise groups, block sizes): V off the tile, rows over several blocks,
+# a bf16 hidden state (the GPU's), and Gumbel noise a group.
+INT8_CASES = [
+    (3, 1000, 64, 4, jnp.float32, 0, {}),
+    (37, 4099, 96, 16, jnp.float32, 0, {"block_rows": 16, "block_vocab": 128}),
+    (16, 1000, 576, 8, jnp.bfloat16, 0, {}),
+    (6, 1000, 64, 4, jnp.float32, 2, {}),
+]
+
+
+@pytest.mark.parametrize("r,v,h,k,dtype,groups,blocks", INT8_CASES)
+def test_int8_head_matches_float64_reference_of_the_scaled_rows(r, v, h, k, dtype, groups, blocks):
+    """An int8 head with a scale a row ranks as the float64 head head[v] * scale[v] does: the
+    conversion is exact and the scale multiplies each token's float32 logit. The test fails if the
+    scale is dropped, applied to the wrong tokens, or the rows are read as another dtype."""
+    rng = np.random.default_rng([r, v, h, k, groups])
+    hidden = jnp.asarray(rng.standard_normal((r, h)), dtype)
+    head, scale = int8_rows(rng, v, h)
+    noise = jnp.asarray(rng.gumbel(size=(groups, v)), jnp.float32) if groups else None
+
+    values, ids = head_top_k(hidden, head, k, head_scale=scale, noise=noise, interpret=True, **blocks)
+
+    scaled = np.asarray(head, np.float64) * np.asarray(scale, np.float64)[:, None]
+    want_values, want_ids = reference(as_f64(hidden), scaled, k, None if noise is None else np.asarray(noise))
+    np.testing.assert_allclose(np.asarray(values), want_values, rtol=1e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    _, unscaled_ids = reference(as_f64(hidden), np.asarray(head, np.float64), k)
+    assert (unscaled_ids != want_ids).any()  # the scale changes the ranking: the test can tell
+
+
 def bad_inputs():
     hidden, head = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((100, 64), jnp.bfloat16)
     yield "k = 0", (hidden, head, 0), {}, "k must be"
     yield "k > V", (hidden, head, 101), {}, "k must be"
     yield "H differs", (hidden, jnp.zeros((100, 32), jnp.bfloat16), 4), {}, "must share H"
     yield "dtypes differ", (hidden, head.astype(jnp.float32), 4), {}, "float dtype"
-    yield "integer inputs", (hidden.astype(jnp.int32), head.astype(jnp.int32), 4), {}, "float dtype"
+    yield "integer inputs", (hidden.astype(jnp.int32), head.astype(jnp.int32), 4), {}, "floating point"
     yield "1-d hidden", (hidden[0], head, 4), {}, r"hidden \[R, H\]"
     yield "no rows", (hidden[:0], head, 4), {}, "at least one row"
     yield "H not a multiple of 16", (hidden[:, :40], head[:, :40], 4), {}, "multiple of 16"
@@ -162,6 +199,10 @@ def bad_inputs():
     yield "block_rows", (hidden, head, 4), {"block_rows": 8}, "block_rows must be a power of two"
     yield "noise of another V", (hidden, head, 4), {"noise": jnp.zeros((1, 99))}, r"noise must be \[G, V=100\]"
     yield "noise groups", (hidden, head, 4), {"noise": jnp.zeros((3, 100))}, "G dividing the 2 rows"
+    int8 = head.astype(jnp.int8)
+    yield "int8 head, no scale", (hidden, int8, 4), {}, "float dtype"
+    yield "scale, float head", (hidden, head, 4), {"head_scale": jnp.ones((100,))}, "goes with an int8 head"
+    yield "scale of another V", (hidden, int8, 4), {"head_scale": jnp.ones((99,))}, "goes with an int8 head"
 
 
 @pytest.mark.parametrize("name,args,kwargs,match", list(bad_inputs()), ids=[c[0] for c in bad_inputs()])
@@ -186,3 +227,24 @@ def test_gpu_compiled_kernel_matches_xla(r, k):
     settled = gaps > 1e-3
     settled[:, 1:] &= gaps[:, :-1] > 1e-3
     np.testing.assert_array_equal(np.asarray(ids)[settled], np.asarray(want_ids)[settled])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("r,k", [(1, 16), (16, 4)])
+def test_gpu_compiled_kernel_over_an_int8_head_matches_xla(r, k):
+    """The compiled kernels over a 7B's int8 head (32,000 x 4,096 and a scale a row) against XLA's
+    log-softmax and top-k of the same scaled rows."""
+    rng = np.random.default_rng(r)
+    hidden = jnp.asarray(rng.standard_normal((r, 4096)), jnp.bfloat16)
+    head, scale = int8_rows(rng, 32000, 4096)
+
+    log_probs, ids = jax.jit(lambda x, w, s: head_top_k(x, w, k, head_scale=s))(hidden, head, scale)
+
+    logits = jnp.dot(hidden, head.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scale
+    want = jax.lax.top_k(jax.nn.log_softmax(logits), k + 1)
+    np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want[0][:, :k]), atol=1e-3)
+    gaps = -np.diff(np.asarray(want[0]), axis=1)
+    settled = gaps > 1e-3
+    settled[:, 1:] &= gaps[:, :-1] > 1e-3
+    np.testing.assert_array_equal(np.asarray(ids)[settled], np.asarray(want[1][:, :k])[settled])

@@ -272,26 +272,29 @@ def exact_first_three(target, prompt, sampling):
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,widths,candidates,lookup",
+    "temperature,top_p,widths,candidates,lookup,head",
     # (1, 1): a chain drawn from the draft, verified by speculative sampling. candidates: the
     # draft's candidate tokens (None: all), here leaving out token 2, which the target does pick.
     # lookup: a prompt-lookup chain beside the tree, one depth deeper than the tree (the prompt
-    # repeats its tokens, so the chain holds some).
+    # repeats its tokens, so the chain holds some). head: how the draft reads the LM head
+    # (draft_head.py; int8: the drawn chain's acceptance test must use the int8 rows' distribution).
     [
-        (1.0, 1.0, (2, 2), None, 0),
-        (0.7, 1.0, (2, 2), None, 0),
-        (1.0, 0.8, (2, 2), None, 0),
-        (1.0, 1.0, (1, 1), None, 0),
-        (0.7, 0.8, (1, 1), None, 0),
-        (1.0, 1.0, (2, 2), (0, 1, 3), 0),
-        (0.7, 0.8, (1, 1), (0, 1, 3), 0),
-        (1.0, 1.0, (2, 2), None, 3),
+        (1.0, 1.0, (2, 2), None, 0, "auto"),
+        (0.7, 1.0, (2, 2), None, 0, "auto"),
+        (1.0, 0.8, (2, 2), None, 0, "auto"),
+        (1.0, 1.0, (1, 1), None, 0, "auto"),
+        (0.7, 0.8, (1, 1), None, 0, "auto"),
+        (1.0, 1.0, (2, 2), (0, 1, 3), 0, "auto"),
+        (0.7, 0.8, (1, 1), (0, 1, 3), 0, "auto"),
+        (1.0, 1.0, (2, 2), None, 3, "auto"),
+        (1.0, 1.0, (1, 1), None, 0, "int8"),
+        (0.7, 1.0, (2, 2), (0, 1, 3), 0, "int8"),
     ],
 )
-def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates, lookup):
+def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates, lookup, head):
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
-    draft = draft.with_candidate_tokens(candidates)
+    draft = draft.with_candidate_tokens(candidates).with_head_format(head)
     prompt = [1, 3, 0, 2, 2]
     result = generate(
         target,

@@ -130,6 +130,15 @@ def test_head_top_k_lowers_to_valid_triton_modules(lowered_modules, r, v, h, k):
     assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})
 
 
+@pytest.mark.parametrize("r,v,h,k", [(1, 128256, 4096, 16), (16, 32000, 4096, 16), (64, 49152, 576, 4)])
+def test_head_top_k_of_an_int8_head_lowers_to_valid_triton_modules(lowered_modules, r, v, h, k):
+    """A 7B draft's int8 head (draft_head.py) with its scale a row, a bf16 hidden state."""
+    x, w = jax.ShapeDtypeStruct((r, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.int8)
+    scale = jax.ShapeDtypeStruct((v,), jnp.float32)
+    lower_for_cuda(lambda x, w, s: head_top_k(x, w, k, head_scale=s, interpret=False), x, w, scale)
+    assert_valid_modules(lowered_modules, {"head_top_k_tiles", "head_top_k_merge"})
+
+
 @pytest.mark.parametrize("g,w,k", [(1, 4, 4), (2, 16, 2)])
 def test_head_top_k_with_noise_lowers_to_valid_triton_modules(lowered_modules, g, w, k):
     """A sampling tree's coupled candidates at SmolLM2's head: a noise row per group of rows."""

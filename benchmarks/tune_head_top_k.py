@@ -1,0 +1,57 @@
+"""Times the draft's head top-k kernel (`head_top_k`) over an int8 head (draft_head.py: a scale a
+row) at a few launch settings, beside the kernel over the bfloat16 head at its defaults, on the GPU.
+
+For a head of V x H (Llama-3: 128,256 x 4,096; Vicuna-7B: 32,000 x 4,096) and rows 1 and 16 (a tree
+level's nodes), k = 16, each setting is timed by `bench_draft_top_k.loop_us`: its calls inside one
+device loop (each call's input depends on the previous result), best of three; us per call. A setting is (tokens per
+program, warps, pipeline stages); None is the kernel's default.
+
+    python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_draft_top_k import loop_us
+from longspec_jax.draft_head import quantized_rows
+from pallas_kernels.head_top_k import head_top_k
+
+K = 16
+# (block_vocab, num_warps, num_stages)
+SETTINGS = [(256, None, 3), (256, 8, 3), (256, 4, 4), (128, 4, 3), (128, 8, 3), (512, 8, 3), (256, 8, 4)]
+
+
+def main(argv=None) -> list[tuple]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="128256x4096,32000x4096", help="VOCABxHIDDEN, comma-separated")
+    parser.add_argument("--rows", default="1,16")
+    args = parser.parse_args(argv)
+    results = []
+    for shape in args.shapes.split(","):
+        vocab, hidden = (int(x) for x in shape.split("x"))
+        head = jax.random.normal(jax.random.key(0), (vocab, hidden), jnp.bfloat16) * 0.05
+        rows8, scale = quantized_rows(head)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.bfloat16)
+            us = loop_us(functools.partial(head_top_k, head=head, k=K), x)
+            results.append((vocab, rows, "bf16 default", us))
+            print(vocab, rows, "bf16 default", round(us, 1), flush=True)
+            for block_vocab, warps, stages in SETTINGS:
+                knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages)
+                int8_top_k = functools.partial(head_top_k, head=rows8, k=K, head_scale=scale, **knobs)
+                try:
+                    us = loop_us(int8_top_k, x)
+                except Exception as err:  # a setting the compiler refuses is a row, not a crash
+                    us = f"fail {type(err).__name__}"
+                results.append((vocab, rows, "int8", block_vocab, warps, stages, us))
+                print(vocab, rows, "int8", block_vocab, warps, stages, us if isinstance(us, str) else round(us, 1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
