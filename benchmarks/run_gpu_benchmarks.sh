@@ -4,6 +4,7 @@
 # Each script checks correctness first, then times, and prints its table last; full logs go to $OUT.
 # Usage (from the repo root): [SECTIONS="decode speculative attention"] bash benchmarks/run_gpu_benchmarks.sh
 #   SPEC_SHAPES (vicuna7b llama3_8b)  SPEC_CONTEXTS (4096,16384,32768,65536)  SPEC_S (200 per shape)
+#   SPEC_HEADS (auto; auto,target also times each round with the draft reading the target's bf16 head)
 #   ATTN_ARGS (extra benchmarks.bench_attention flags)  ATTN_S (130)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS="ignore::DeprecationWarning"
@@ -19,7 +20,8 @@ for section in $SECTIONS; do
         speculative)
             for shape in ${SPEC_SHAPES:-vicuna7b llama3_8b}; do
                 timeout "${SPEC_S:-200}" python3 -m benchmarks.bench_speculative --impl pallas --rounds 16 --repeats 3 \
-                    --shapes "$shape" --contexts "${SPEC_CONTEXTS:-4096,16384,32768,65536}" 2>&1 \
+                    --shapes "$shape" --contexts "${SPEC_CONTEXTS:-4096,16384,32768,65536}" \
+                    --draft-heads "${SPEC_HEADS:-auto}" 2>&1 \
                     | tee "$OUT/speculative_$shape.txt"
                 logs+=("speculative_$shape")
             done ;;
