@@ -547,7 +547,8 @@ def run(args: argparse.Namespace) -> dict:
     target, draft, sampling_draft = load_models(
         args.target, args.draft, args.sampling_draft, args.dtype, bool({"longspec", "auto"} & mode_names)
     )
-    draft, sampling_draft = (d and d.with_head_format(args.draft_head) for d in (draft, sampling_draft))
+    as_asked = {id(d): d.with_head_format(args.draft_head) for d in (draft, sampling_draft) if d is not None}
+    draft, sampling_draft = (d and as_asked[id(d)] for d in (draft, sampling_draft))  # one copy where one serves both
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(
             f"the eval sets were tokenised with a {manifest.get('vocab_size')}-token vocabulary "

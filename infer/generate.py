@@ -194,6 +194,13 @@ class TerminalOutput:
             print(text)
 
 
+def _as_asked(draft, args: argparse.Namespace):
+    """The draft with the vocabulary (--full-draft-vocabulary) and head format (--draft-head) asked for."""
+    if args.full_draft_vocabulary:
+        draft = draft.with_candidate_tokens(None)
+    return draft.with_head_format(args.draft_head)
+
+
 def run(args: argparse.Namespace) -> int:
     text = read_prompt(args.prompt_file)
     tree_widths = parse_tree_widths(args.tree_widths)
@@ -219,15 +226,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
     draft = inference_draft(target, args.draft) if args.draft else None
     sampling_draft = inference_draft(target, args.sampling_draft) if args.sampling_draft else None
-    if args.full_draft_vocabulary:
+    if args.full_draft_vocabulary or args.draft_head != "auto":  # the drafts this run uses, changed as asked
         sampling_draft = sampling_draft_for(target, draft, sampling_draft)
         draft = draft or inference_draft(target)
-        draft = None if draft is None else draft.with_candidate_tokens(None)
-        sampling_draft = None if sampling_draft is None else sampling_draft.with_candidate_tokens(None)
-    if args.draft_head != "auto":
-        sampling_draft = sampling_draft_for(target, draft, sampling_draft)
-        draft = draft or inference_draft(target)
-        draft, sampling_draft = (d and d.with_head_format(args.draft_head) for d in (draft, sampling_draft))
+        # Once per draft: where one draft serves both, one copy does (a 7B draft's block is ~0.4 GB).
+        changed = {id(d): _as_asked(d, args) for d in (draft, sampling_draft) if d is not None}
+        draft, sampling_draft = (d and changed[id(d)] for d in (draft, sampling_draft))
     prompt_ids = encode_prompt(target.tokenizer, text, chat=args.chat)
     generator = Generator(
         target,

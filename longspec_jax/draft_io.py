@@ -108,8 +108,11 @@ class Draft:
         return key if self.head_format == "auto" else f"{key}/{self.head_format}"
 
     def with_head_format(self, head_format: str) -> Draft:
-        """The same draft reading the LM head as `head_format` says (draft_head.HEAD_FORMATS)."""
-        return dataclasses.replace(self, head_format=check_head_format(head_format))
+        """The same draft reading the LM head as `head_format` says (draft_head.HEAD_FORMATS); this
+        draft itself where that is its format already (what it built stays shared)."""
+        if check_head_format(head_format) == self.head_format:
+            return self
+        return dataclasses.replace(self, head_format=head_format)
 
     def save(self, path: str | Path) -> Path:
         """Write our export: `path/model.safetensors` (reference names, parameter dtype; the
