@@ -24,7 +24,8 @@ import numpy as np
 
 from benchmarks import floors
 from longspec_jax.draft import draft_top_k
-from longspec_jax.draft_head import DraftHead, quantized_rows
+from longspec_jax.draft_head import DraftHead
+from longspec_jax.int8_rows import quantized_rows
 
 ITERATIONS = 200
 

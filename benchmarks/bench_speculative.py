@@ -24,9 +24,11 @@ is the round / AR ratio this design can reach at best.
 goes per round (or step) by kernel class and the kernels that took most (`trace_round`'s summary).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
 --fused-projections also runs its projections as fused Pallas kernels (with --impl pallas).
---candidate-tokens all,32768 and --draft-heads auto,target time the round once per draft vocabulary
-and per format of the draft's LM head (draft_head.py: "auto" reads a 7B head as int8, "target" as
-the target's own rows) in one process; the table's "cands" column names each.
+--candidate-tokens all,32768, --draft-heads auto,target and --draft-blocks auto,full time the round
+once per draft vocabulary, format of the draft's LM head (draft_head.py: "auto" reads a 7B head as
+int8, "target" as the target's own rows) and format of its block (int8_rows.py: "auto" holds a 7B
+draft's matrices as int8, "full" in the dtype it runs in) in one process; the table's "cands"
+column names each.
 Random weights accept almost nothing, so tokens per round are not measured here; the table gives
 the PROJECTED speedup of a round emitting tau tokens (--tau, default 3.5, the paper's ~3.5 for 7B
 targets): AR ms/token / (round ms / tau). Round cost does not depend on acceptance (static shapes).
@@ -58,6 +60,7 @@ from longspec_jax.decode_loop import LoopConfig, decode, start, started
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_head import HEAD_FORMATS, check_head_format
 from longspec_jax.draft_io import init_draft
+from longspec_jax.int8_rows import BLOCK_FORMATS, check_block_format
 from longspec_jax.model import init_cache
 from longspec_jax.model_shapes import timing_shape
 from longspec_jax.proposers import NoProposal, proposer_for
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default="auto",
         help=f"comma-separated formats of the draft's LM head ({', '.join(HEAD_FORMATS)}), a round timed with each",
     )
+    p.add_argument(
+        "--draft-blocks",
+        default="auto",
+        help=f"comma-separated formats of the draft's block ({', '.join(BLOCK_FORMATS)}), a round timed with each",
+    )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     p.add_argument(
         "--lookup-tokens",
@@ -229,6 +237,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rounds = args.rounds or (3 if args.small else 32)
     dtype = "float32" if args.small else "bfloat16"
     heads = [check_head_format(h) for h in args.draft_heads.split(",")]
+    blocks = [check_block_format(b) for b in args.draft_blocks.split(",")]
 
     print(
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
@@ -252,9 +261,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         )
         for context in contexts:
             ar_ms = float("nan")
-            for vocabulary, head_format in itertools.product(args.candidate_tokens.split(","), heads):
-                row = Row(shape, context, vocabulary if head_format == "auto" else f"{vocabulary}/{head_format}")
-                cut = with_vocabulary(draft, vocabulary).with_head_format(head_format)
+            for vocabulary, head_format, block_format in itertools.product(
+                args.candidate_tokens.split(","), heads, blocks
+            ):
+                cut = with_vocabulary(draft, vocabulary).with_head_format(head_format).with_block_format(block_format)
+                formats = [head_format] * (head_format != "auto") + [f"block-{block_format}"] * (block_format != "auto")
+                row = Row(shape, context, "/".join([vocabulary, *formats]))
                 row.ar_floor_ms = 1e3 * floors.step_seconds(model, 1, context, args.batch, rates)
                 row.draft_floor_ms = 1e3 * floors.draft_round_seconds(model, cut, widths, context, args.batch, rates)
                 verified = num_nodes(lookup_widths(widths, args.lookup_tokens))  # the tree's rows and the root
@@ -309,17 +321,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "fl r/AR: the round's floor (draft + verify) against the AR step's."
     )
     print(
-        f"{'shape':<13}{'context':>8}{'cands':>14}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}"
+        f"{'shape':<13}{'context':>8}{'cands':>20}{'round ms':>10}{'parts':>8}{'draft':>8}{'dr fl':>7}{'dr/fl':>7}"
         f"{'verify':>8}{'ver fl':>8}{'ver/fl':>7}{'ver/AR':>7}{'accept':>8}{'AR ms':>8}{'AR fl':>7}{'AR/fl':>7}"
         f"{'rnd/AR':>8}{'fl r/AR':>8}{'AR tok/s':>10}{'proj. x':>9}{'draft MiB':>11}"
     )
     for r in rows:
         if r.error:
-            print(f"{r.shape:<13}{r.context:>8}{r.candidates:>14}  failed: {r.error}")
+            print(f"{r.shape:<13}{r.context:>8}{r.candidates:>20}  failed: {r.error}")
             continue
         round_floor = r.draft_floor_ms + r.verify_floor_ms
         print(
-            f"{r.shape:<13}{r.context:>8}{r.candidates:>14}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
+            f"{r.shape:<13}{r.context:>8}{r.candidates:>20}{r.round_ms:>10.2f}{r.parts_sum_ms:>8.2f}{r.draft_ms:>8.2f}"
             f"{r.draft_floor_ms:>7.2f}{r.draft_ms / r.draft_floor_ms:>7.2f}"
             f"{r.verify_ms:>8.2f}{r.verify_floor_ms:>8.2f}{r.verify_ms / r.verify_floor_ms:>7.2f}"
             f"{r.verify_ms / r.ar_ms:>7.2f}{r.accept_ms:>8.2f}"

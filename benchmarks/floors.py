@@ -24,6 +24,7 @@ from flax import nnx
 
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft_head import reads_int8
+from longspec_jax.int8_rows import block_reads_int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,8 @@ def step_seconds(model, rows: int, context: int, batch: int, rates: Rates) -> fl
 def draft_level_seconds(model, draft, rows: int, context: int, batch: int, rates: Rates) -> float:
     """The floor of one level of a draft's tree: `rows` nodes a sequence through the draft's block,
     the shared LM head (the rows of its candidate tokens, if it has them; int8 and a float32 scale a
-    row where the draft reads it so, draft_head.py) and its cross-attention to the target's
+    row where the draft reads it so, draft_head.py; the block's matrices likewise, `block_bytes`)
+    and its cross-attention to the target's
     last-layer K/V (`context` rows; the draft's own window left out)."""
     c = model.config
     itemsize = jnp.dtype(model.dtype).itemsize
@@ -111,12 +113,24 @@ def draft_level_seconds(model, draft, rows: int, context: int, batch: int, rates
     block = jax.tree.leaves(nnx.state(draft.block))
     weights = sum(x.size for x in block) + head_rows * c.hidden_size
     head_bytes = head_rows * (c.hidden_size + 4) if int8 else head_rows * c.hidden_size * itemsize
-    weight_bytes = cache_bytes(block) + head_bytes
+    weight_bytes = block_bytes(draft) + head_bytes
     kv_rows = batch * context
     return rates.seconds(
         weight_bytes + 2 * kv_rows * c.num_kv_heads * c.head_dim * itemsize,
         2 * batch * rows * weights + 4 * kv_rows * rows * c.num_heads * c.head_dim,
     )
+
+
+def block_bytes(draft) -> int:
+    """Bytes a draft level reads of the draft's block: its parameters as they are held, or, where
+    the draft holds its block as int8 (int8_rows.py), each matrix [in, out] at a byte an entry and
+    a float32 scale an output."""
+    block = jax.tree.leaves(nnx.state(draft.block))
+    held = cache_bytes(block)
+    if not block_reads_int8(draft.block_format, held):
+        return held
+    matrices = [x for x in block if x.ndim == 2]
+    return held - cache_bytes(matrices) + sum(m.size + 4 * m.shape[1] for m in matrices)
 
 
 def draft_round_seconds(model, draft, widths, context: int, batch: int, rates: Rates) -> float:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.bench_draft_top_k import loop_us
-from longspec_jax.draft_head import quantized_rows
+from longspec_jax.int8_rows import quantized_rows
 from pallas_kernels.head_top_k import head_top_k
 
 K = 16

@@ -457,6 +457,7 @@ def load_models(
 
 def build_parser() -> argparse.ArgumentParser:
     from longspec_jax.draft_head import HEAD_FORMATS
+    from longspec_jax.int8_rows import BLOCK_FORMATS
 
     p = argparse.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
     p.add_argument("--eval-dir", type=Path, help="folder made by infer.build_eval_sets")
@@ -472,6 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="how the drafts read the LM head: int8 rows (half the bytes), the target's own, or auto "
         "(int8 for a head of 64 MiB or more)",
+    )
+    p.add_argument(
+        "--draft-block",
+        choices=BLOCK_FORMATS,
+        default="auto",
+        help="how the drafts hold their block's matrices: int8 rows (half the bytes), full (the dtype they "
+        "run in), or auto (int8 for a block of 64 MiB or more)",
     )
     p.add_argument(
         "--modes",
@@ -547,7 +555,11 @@ def run(args: argparse.Namespace) -> dict:
     target, draft, sampling_draft = load_models(
         args.target, args.draft, args.sampling_draft, args.dtype, bool({"longspec", "auto"} & mode_names)
     )
-    as_asked = {id(d): d.with_head_format(args.draft_head) for d in (draft, sampling_draft) if d is not None}
+    as_asked = {
+        id(d): d.with_head_format(args.draft_head).with_block_format(args.draft_block)
+        for d in (draft, sampling_draft)
+        if d is not None
+    }
     draft, sampling_draft = (d and as_asked[id(d)] for d in (draft, sampling_draft))  # one copy where one serves both
     if manifest.get("vocab_size") != target.config.vocab_size:
         raise UserError(

@@ -23,6 +23,7 @@ from longspec_jax.draft_head import HEAD_FORMATS
 from longspec_jax.draft_io import inference_draft, sampling_draft_for
 from longspec_jax.errors import UserError
 from longspec_jax.generation import AUTO_MODE, DEFAULT_MODE, MODES, Generator
+from longspec_jax.int8_rows import BLOCK_FORMATS
 from longspec_jax.target import load_target
 from longspec_jax.tokenizer import decode, encode_prompt
 from longspec_jax.tree import MAX_TREE_NODES
@@ -97,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="how the draft reads the LM head: int8 rows (half the bytes; the output stays the target's), "
         "the target's own, or auto (int8 for a head of 64 MiB or more)",
+    )
+    p.add_argument(
+        "--draft-block",
+        choices=BLOCK_FORMATS,
+        default="auto",
+        help="how the draft holds its block's matrices: int8 rows (half the bytes; the output stays the "
+        "target's), full (the dtype it runs in), or auto (int8 for a block of 64 MiB or more)",
     )
     p.add_argument("--max-new-tokens", type=int_in_range(1, INT32_MAX), default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -195,10 +203,11 @@ class TerminalOutput:
 
 
 def _as_asked(draft, args: argparse.Namespace):
-    """The draft with the vocabulary (--full-draft-vocabulary) and head format (--draft-head) asked for."""
+    """The draft with the vocabulary (--full-draft-vocabulary), head format (--draft-head) and block
+    format (--draft-block) asked for."""
     if args.full_draft_vocabulary:
         draft = draft.with_candidate_tokens(None)
-    return draft.with_head_format(args.draft_head)
+    return draft.with_head_format(args.draft_head).with_block_format(args.draft_block)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,8 +219,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--sampling-draft applies to --mode longspec only: drop it or pass --mode longspec")
     if args.full_draft_vocabulary and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--full-draft-vocabulary applies to a draft's modes: drop it or pass --mode longspec")
-    if args.draft_head != "auto" and args.mode not in ("longspec", AUTO_MODE):
-        raise UserError("--draft-head applies to a draft's modes: drop it or pass --mode longspec")
+    for flag, value in (("--draft-head", args.draft_head), ("--draft-block", args.draft_block)):
+        if value != "auto" and args.mode not in ("longspec", AUTO_MODE):
+            raise UserError(f"{flag} applies to a draft's modes: drop it or pass --mode longspec")
     if args.lookup_tokens and args.mode not in ("longspec", AUTO_MODE):
         raise UserError("--lookup-tokens goes beside a draft's tree: drop it or pass --mode longspec")
     if tree_widths and args.mode == "ar":
@@ -226,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("the target has no tokenizer: use a checkpoint directory with tokenizer files (or a .gguf)")
     draft = inference_draft(target, args.draft) if args.draft else None
     sampling_draft = inference_draft(target, args.sampling_draft) if args.sampling_draft else None
-    if args.full_draft_vocabulary or args.draft_head != "auto":  # the drafts this run uses, changed as asked
+    if args.full_draft_vocabulary or args.draft_head != "auto" or args.draft_block != "auto":  # changed as asked
         sampling_draft = sampling_draft_for(target, draft, sampling_draft)
         draft = draft or inference_draft(target)
         # Once per draft: where one draft serves both, one copy does (a 7B draft's block is ~0.4 GB).

@@ -155,19 +155,28 @@ class DraftBlock(nnx.Module):
     def inv_freq(self) -> jax.Array:
         return jnp.asarray(inverse_frequencies(self.config))
 
-    def inference_layout(self, small_rows: Sequence[int] = ()) -> DraftBlock:
+    def inference_layout(self, small_rows: Sequence[int] = (), int8: bool = False) -> DraftBlock:
         """This block with self-attention's q/k/v and the MLP's gate/up packed into one matrix each
         and every matrix stored [out, in] (`PackedLinear`, as the target's `inference_layout`): the
         same function up to float rounding order, five matmuls a step instead of nine, and no
-        weight-sized temporary in a one-row product. For inference only; packing a packed block
-        changes nothing."""
+        weight-sized temporary in a one-row product; with int8, its six matrices as int8 rows with a
+        float32 scale each (`PackedLinear.to_int8`; the norms and biases stay as they are). For
+        inference only; packing a packed block changes nothing."""
         block = nnx.clone(self)
         if isinstance(block.self_attn, DraftSelfAttention):
             block.self_attn = PackedDraftSelfAttention(block.self_attn, small_rows)
             block.cross_attn.q_proj = PackedLinear([block.cross_attn.q_proj], small_rows)
             block.cross_attn.o_proj = PackedLinear([block.cross_attn.o_proj], small_rows)
             block.mlp = PackedMLP(block.mlp, small_rows)
+        if int8:
+            for product in block.products():
+                product.to_int8()
         return block
+
+    def products(self) -> tuple[PackedLinear, ...]:
+        """The packed block's six matrix products (q|k|v, o, cross q and o, gate|up, down)."""
+        attn, cross, mlp = self.self_attn, self.cross_attn, self.mlp
+        return (attn.qkv_proj, attn.o_proj, cross.q_proj, cross.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
     def self_keys_values(self, x, positions):
         """The self-attention k (after RoPE), v [B,T,Hkv,D] of token embeddings x [B,T,H]."""

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from longspec_jax.errors import UserError
+from longspec_jax.int8_rows import INT8_MIN_BYTES, quantized_rows
 from pallas_kernels.head_top_k import head_top_k
 
-# "auto": the target's rows for a head under INT8_MIN_BYTES (in the target's dtype), else int8.
-# SmolLM2's cut head (16,400 x 576, bfloat16: 19 MB) stays as it is: its level is bound by its
-# kernels, not its bytes; a 7B's (Vicuna-7B 0.26 GB, Llama-3-8B 1.05 GB) is read as int8.
-INT8_MIN_BYTES = 64 * 2**20
+# "auto": the target's rows for a head under int8_rows.INT8_MIN_BYTES (in the target's dtype), else
+# int8. SmolLM2's cut head (16,400 x 576, bfloat16: 19 MB) stays as it is; a 7B's (Vicuna-7B 0.26 GB,
+# Llama-3-8B 1.05 GB) is read as int8.
 HEAD_FORMATS = ("auto", "int8", "target")
 
 
@@ -74,16 +74,6 @@ def reads_int8(head_format: str, rows: int, hidden: int, dtype) -> bool:
     if check_head_format(head_format) != "auto":
         return head_format == "int8"
     return rows * hidden * jnp.dtype(dtype).itemsize >= INT8_MIN_BYTES
-
-
-@jax.jit
-def quantized_rows(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """rows [C, H] -> (int8 [C, H], float32 scale [C]): each row symmetric, scale = max |row| / 127
-    (1 for a row of zeros), q = round(row / scale)."""
-    wide = rows.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(wide), axis=1)
-    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
-    return jnp.clip(jnp.round(wide / scale[:, None]), -127, 127).astype(jnp.int8), scale
 
 
 def draft_head(target_model, ids=None, head_format: str = "auto") -> DraftHead | None:

@@ -31,6 +31,7 @@ from longspec_jax.config import ModelConfig, read_json_object
 from longspec_jax.draft import DraftBlock, DraftConfig
 from longspec_jax.draft_head import DraftHead, check_head_format, draft_head
 from longspec_jax.errors import UserError
+from longspec_jax.int8_rows import block_reads_int8, check_block_format
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -50,11 +51,14 @@ class Draft:
     """A draft ready to run: `.block` (DraftBlock, float32 unless cast), `.config` (DraftConfig),
     `.target_config` (the ModelConfig it was built for), `.candidate_tokens` (int32[C] ascending:
     the tokens it proposes from, candidate_vocabulary.py; None: the whole vocabulary), `.head_format`
-    (how it reads the LM head, draft_head.HEAD_FORMATS: "auto" is int8 for a large head)."""
+    (how it reads the LM head, draft_head.HEAD_FORMATS: "auto" is int8 for a large head) and
+    `.block_format` (how its inference block holds its matrices, int8_rows.BLOCK_FORMATS: "auto" is
+    int8 for a large block)."""
 
     block: DraftBlock
     candidate_tokens: np.ndarray | None = None
     head_format: str = "auto"
+    block_format: str = "auto"
     # What inference_block and head_under built, by key, each with the identities of its sources.
     _built: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -67,12 +71,14 @@ class Draft:
         return self.block.config
 
     def inference_block(self, small_rows: tuple[int, ...] = ()) -> DraftBlock:
-        """The block in its inference layout (`DraftBlock.inference_layout`), built once per
-        small_rows and shared by every proposer made from this draft (mode auto makes one per
-        plan; a 7B target's draft block is ~0.4 GB a copy); rebuilt when the block's arrays were
-        replaced."""
-        arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.block)))
-        return self._once(("block", small_rows), arrays, lambda: self.block.inference_layout(small_rows))
+        """The block in its inference layout (`DraftBlock.inference_layout`; its matrices int8 where
+        `block_format` says so), built once per small_rows and shared by every proposer made from
+        this draft (mode auto makes one per plan; a 7B target's draft block is ~0.5 GB a copy);
+        rebuilt when the block's arrays were replaced."""
+        leaves = jax.tree.leaves(nnx.state(self.block))
+        int8 = block_reads_int8(self.block_format, sum(x.size * x.dtype.itemsize for x in leaves))
+        arrays = tuple(id(x) for x in leaves)
+        return self._once(("block", small_rows, int8), arrays, lambda: self.block.inference_layout(small_rows, int8))
 
     def head_under(self, target_model) -> DraftHead | None:
         """The head this draft ranks its candidates under in target_model (`draft_head.draft_head`:
@@ -93,7 +99,7 @@ class Draft:
         """A copy with every parameter in `dtype` (bfloat16 for inference)."""
         graphdef, state = nnx.split(self.block)
         block = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), state))
-        return Draft(block, self.candidate_tokens, self.head_format)
+        return Draft(block, self.candidate_tokens, self.head_format, self.block_format)
 
     def with_candidate_tokens(self, ids) -> Draft:
         """The same draft proposing from token ids (None: from the whole vocabulary)."""
@@ -103,9 +109,11 @@ class Draft:
 
     def proposal_key(self) -> str:
         """What this draft proposes from, for the keys of what its rounds cost and keep: its
-        candidate tokens (`candidate_tokens_key`) and a head format other than "auto"."""
+        candidate tokens (`candidate_tokens_key`) and head and block formats other than "auto"."""
         key = candidate_tokens_key(self.candidate_tokens)
-        return key if self.head_format == "auto" else f"{key}/{self.head_format}"
+        if self.head_format != "auto":
+            key = f"{key}/{self.head_format}"
+        return key if self.block_format == "auto" else f"{key}/block-{self.block_format}"
 
     def with_head_format(self, head_format: str) -> Draft:
         """The same draft reading the LM head as `head_format` says (draft_head.HEAD_FORMATS); this
@@ -113,6 +121,13 @@ class Draft:
         if check_head_format(head_format) == self.head_format:
             return self
         return dataclasses.replace(self, head_format=head_format)
+
+    def with_block_format(self, block_format: str) -> Draft:
+        """The same draft holding its inference block's matrices as `block_format` says
+        (int8_rows.BLOCK_FORMATS); this draft itself where that is its format already."""
+        if check_block_format(block_format) == self.block_format:
+            return self
+        return dataclasses.replace(self, block_format=block_format)
 
     def save(self, path: str | Path) -> Path:
         """Write our export: `path/model.safetensors` (reference names, parameter dtype; the

@@ -41,6 +41,7 @@ from flax import nnx, struct
 from longspec_jax import attention
 from longspec_jax.config import ModelConfig
 from longspec_jax.errors import UserError
+from longspec_jax.int8_rows import quantized_rows
 from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 from longspec_jax.streamed_products import streamer_knobs
 from pallas_kernels import flash_block, row_matmul_mgpu
@@ -169,7 +170,11 @@ class PackedLinear(nnx.Module):
     norm: the RMSNorm before these products, folded in: its weight multiplies the matrix's input
     columns once, here, and a call takes the un-normalised x. Its statistics (float32) then scale
     either x before the product or the product's float32 rows after it (`SCALE_AFTER_ROWS`); both
-    equal norm-then-product up to rounding, since rsqrt(mean(x^2)) is one number per row."""
+    equal norm-then-product up to rounding, since rsqrt(mean(x^2)) is one number per row.
+
+    `to_int8()` stores the weight as int8 rows with a float32 scale each (`int8_rows`), for a
+    draft's products, which need not be exact: the product converts the rows to x's dtype (exact for
+    |q| <= 127; XLA reads the int8 matrix inside its GEMM) and scales its float32 output columns."""
 
     def __init__(self, parts: Sequence[Linear], small_rows: Sequence[int] = (), norm: RMSNorm | None = None):
         self.small_rows = tuple(small_rows)
@@ -177,6 +182,7 @@ class PackedLinear(nnx.Module):
         if norm is not None:
             weight = weight * norm.weight[...].astype(weight.dtype)[None, :]  # one rounding of each product
         self.weight = nnx.Param(weight)
+        self.weight_scale = nnx.data(None)  # a float32 scale a row once `to_int8` made the weight int8
         self.eps = None if norm is None else norm.eps
         self.bias = None if parts[0].bias is None else nnx.Param(jnp.concatenate([p.bias[...] for p in parts]))
         ends = [0]
@@ -193,10 +199,13 @@ class PackedLinear(nnx.Module):
             scale = inverse_rms(x32, self.eps)
             if rows < SCALE_AFTER_ROWS or x.shape[-1] > SCALE_AFTER_MAX_WIDTH:
                 x, scale = (x32 * scale).astype(x.dtype), None
+        if self.weight_scale is not None:  # int8 rows: the columns' scales join the rows' after the product
+            w = w.astype(x.dtype)
+            scale = self.weight_scale[...] if scale is None else scale * self.weight_scale[...]
         out = x.dtype if scale is None else jnp.float32
         if rows in self.small_rows:
             y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(out)
-        elif (streamed := self._streamed(rows, x, w)) is not None:
+        elif self.weight_scale is None and (streamed := self._streamed(rows, x, w)) is not None:
             flat = row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=out, **streamed)
             y = flat.reshape(*x.shape[:-1], w.shape[0])
         else:
@@ -204,6 +213,12 @@ class PackedLinear(nnx.Module):
         if scale is not None:
             y = (y * scale).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+    def to_int8(self) -> None:
+        """Stores this product's weight as int8 rows and a float32 scale a row (`int8_rows`), in place."""
+        if self.weight_scale is None:
+            rows, scale = quantized_rows(self.weight[...])
+            self.weight, self.weight_scale = nnx.Param(rows), nnx.Param(scale)
 
     @staticmethod
     def _streamed(rows: int, x: jax.Array, w: jax.Array) -> dict | None:

@@ -50,10 +50,12 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def default_block_k(dim: int, x_rows: int, block_cols: int, itemsize: int) -> int:
+def default_block_k(dim: int, x_rows: int, block_cols: int, itemsize: int, weight_itemsize: int | None = None) -> int:
     """The largest power of two dividing K (at most MAX_BLOCK_K) whose chunks of x [x_rows, chunk]
-    and the weight [block_cols, chunk] fit CHUNK_BYTES, at least the dot's minimum of 16."""
-    cap = max(fb.MIN_BLOCK, min(MAX_BLOCK_K, CHUNK_BYTES // ((x_rows + block_cols) * itemsize)))
+    and the weight [block_cols, chunk] (itemsize, or weight_itemsize where given) fit CHUNK_BYTES,
+    at least the dot's minimum of 16."""
+    row_bytes = x_rows * itemsize + block_cols * (itemsize if weight_itemsize is None else weight_itemsize)
+    cap = max(fb.MIN_BLOCK, min(MAX_BLOCK_K, CHUNK_BYTES // row_bytes))
     chunk = fb.MIN_BLOCK
     while chunk * 2 <= cap and dim % (chunk * 2) == 0:
         chunk *= 2
@@ -66,10 +68,11 @@ def default_block_cols(num_cols: int, row_blocks: int) -> int:
     return WIDE_BLOCK_COLS if wide_programs >= fb.NUM_SMS else NARROW_BLOCK_COLS
 
 
-def _kernel(*refs, norm, swiglu, has_bias, has_residual, eps, block_rows, block_cols, block_k):
-    """x [M, K_in], weight [N, K], then norm_weight [K], bias [N], residual [M, N] where given,
-    whole; writes this program's [rows, cols] tile of out [M, N]."""
+def _kernel(*refs, norm, swiglu, scaled, has_bias, has_residual, eps, block_rows, block_cols, block_k):
+    """x [M, K_in], weight [N, K], then weight_scale [N], norm_weight [K], bias [N], residual [M, N]
+    where given, whole; writes this program's [rows, cols] tile of out [M, N]."""
     x_ref, w_ref, *refs, o_ref = refs
+    scale_ref = refs.pop(0) if scaled else None
     norm_ref = refs.pop(0) if norm else None
     bias_ref = refs.pop(0) if has_bias else None
     residual_ref = refs.pop(0) if has_residual else None
@@ -108,10 +111,15 @@ def _kernel(*refs, norm, swiglu, has_bias, has_residual, eps, block_rows, block_
             gate = x.astype(jnp.float32)
             up = load_x(dim + start).astype(jnp.float32)
             x = (gate * jax.nn.sigmoid(gate) * up).astype(x.dtype)
-        w = plgpu.load(w_ref.at[cols, k_chunk(start)], mask=col_ok[:, None], other=0.0)
+        w = plgpu.load(w_ref.at[cols, k_chunk(start)], mask=col_ok[:, None], other=0)
+        if scaled:  # acc.T: the converted int8 chunk is the dot's first operand, taken from registers
+            return acc + plgpu.dot(w.astype(x.dtype), x, trans_b=True, allow_tf32=False)
         return acc + plgpu.dot(x, w, trans_b=True, allow_tf32=False)
 
-    out = lax.fori_loop(0, num_chunks, accumulate, jnp.zeros((block_rows, block_cols), jnp.float32))
+    shape = (block_cols, block_rows) if scaled else (block_rows, block_cols)
+    out = lax.fori_loop(0, num_chunks, accumulate, jnp.zeros(shape, jnp.float32))
+    if scaled:
+        out = out.T * plgpu.load(scale_ref.at[cols], mask=col_ok, other=0.0)[None, :]
     if has_bias:
         out += plgpu.load(bias_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
@@ -127,6 +135,7 @@ def _kernel(*refs, norm, swiglu, has_bias, has_residual, eps, block_rows, block_
 def _fused_linear(
     x,
     weight,
+    weight_scale,
     norm_weight,
     bias,
     residual,
@@ -146,6 +155,7 @@ def _fused_linear(
         _kernel,
         norm=norm_weight is not None,
         swiglu=swiglu,
+        scaled=weight_scale is not None,
         has_bias=bias is not None,
         has_residual=residual is not None,
         eps=eps,
@@ -153,7 +163,7 @@ def _fused_linear(
         block_cols=block_cols,
         block_k=block_k,
     )
-    extras = [a for a in (norm_weight, bias, residual) if a is not None]
+    extras = [a for a in (weight_scale, norm_weight, bias, residual) if a is not None]
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_rows), pl.cdiv(num_cols, block_cols)),
@@ -164,11 +174,20 @@ def _fused_linear(
     )(x, weight, *extras)
 
 
-def _check(x, weight, norm_weight, swiglu, residual, bias) -> None:
+def _check(x, weight, weight_scale, norm_weight, swiglu, residual, bias) -> None:
     if x.ndim != 2 or weight.ndim != 2:
         raise ValueError(f"fused_linear: expected x [M, K_in] and weight [N, K], got {x.shape} and {weight.shape}")
-    if x.dtype != weight.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"fused_linear: x must have a float dtype, got {x.dtype}")
+    if weight_scale is None and x.dtype != weight.dtype:
         raise ValueError(f"fused_linear: x and weight must share one float dtype, got {x.dtype}, {weight.dtype}")
+    if weight_scale is not None and (
+        weight.dtype != jnp.int8 or weight_scale.shape != weight.shape[:1] or weight_scale.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"fused_linear: weight_scale must be float32 [N] = ({weight.shape[0]},) beside an int8 weight, got "
+            f"{weight_scale.shape} {weight_scale.dtype} beside {weight.dtype}"
+        )
     if x.shape[0] < 1:
         raise ValueError(f"fused_linear: x needs at least one row, got {x.shape}")
     num_cols, dim = weight.shape
@@ -199,6 +218,7 @@ def fused_linear(
     x,
     weight,
     *,
+    weight_scale=None,
     norm_weight=None,
     eps=1e-6,
     swiglu=False,
@@ -214,7 +234,9 @@ def fused_linear(
     """y = prologue(x) @ weight.T (+ bias) (+ residual).
 
     x [M, K_in]; weight [N, K] in the "out, in" layout (as longspec_jax.model.PackedLinear stores
-    it), the same float dtype as x. The prologue:
+    it), the same float dtype as x, or int8 with weight_scale float32 [N] (row n is weight[n] *
+    weight_scale[n]: each chunk is converted to x's dtype, exact for |q| <= 127, and the float32
+    product's columns are scaled before bias and residual). The prologue:
       - norm_weight [K] given (K_in == K, x's dtype): RMSNorm as longspec_jax.model.RMSNorm computes
         it: x32 = x.astype(f32); xn = (x32 * rsqrt(mean(x32**2, -1) + eps)).astype(x.dtype);
         xn = norm_weight * xn (in x.dtype);
@@ -226,7 +248,7 @@ def fused_linear(
     block_rows and block_cols >= 16, block_k >= 16 dividing K) and Triton's num_warps / num_stages
     default to choices for the H200.
     """
-    _check(x, weight, norm_weight, swiglu, residual, bias)
+    _check(x, weight, weight_scale, norm_weight, swiglu, residual, bias)
     rows = x.shape[0]
     num_cols, dim = weight.shape
     block_rows = fb.block_size(rows, MAX_BLOCK_ROWS) if block_rows is None else block_rows
@@ -234,7 +256,7 @@ def fused_linear(
         block_cols = default_block_cols(num_cols, pl.cdiv(rows, block_rows))
     if block_k is None:
         x_rows = 2 * block_rows if swiglu else block_rows
-        block_k = default_block_k(dim, x_rows, block_cols, x.dtype.itemsize)
+        block_k = default_block_k(dim, x_rows, block_cols, x.dtype.itemsize, weight.dtype.itemsize)
     for name, size in (("block_rows", block_rows), ("block_cols", block_cols), ("block_k", block_k)):
         if size < fb.MIN_BLOCK or not _is_power_of_two(size):
             raise ValueError(f"fused_linear: {name} must be a power of two >= {fb.MIN_BLOCK}, got {size}")
@@ -243,6 +265,7 @@ def fused_linear(
     return _fused_linear(
         x,
         weight,
+        weight_scale,
         norm_weight,
         bias,
         residual,

@@ -65,7 +65,7 @@ def test_json_output_matches_the_library(checkpoint, prompt_file, capsys):
     )
 
 
-def test_a_drafts_candidate_tokens_the_whole_vocabulary_a_lookup_chain_or_an_int8_head_give_the_same_greedy_tokens(
+def test_a_drafts_candidate_tokens_the_whole_vocabulary_a_lookup_chain_or_int8_weights_give_the_same_greedy_tokens(
     checkpoint, prompt_file, tmp_path, capsys
 ):
     target = load_target(checkpoint, dtype="float32")
@@ -74,11 +74,18 @@ def test_a_drafts_candidate_tokens_the_whole_vocabulary_a_lookup_chain_or_an_int
     args = ["--prompt-file", str(prompt_file), "--target", str(checkpoint), "--max-new-tokens", "6", "--json"]
     args += ["--mode", "longspec", "--draft", str(draft), "--tree-widths", "2,2"]
     runs = []
-    for extra in ([], ["--full-draft-vocabulary"], ["--lookup-tokens", "3"], ["--draft-head", "int8"]):
+    extras = (
+        [],
+        ["--full-draft-vocabulary"],
+        ["--lookup-tokens", "3"],
+        ["--draft-head", "int8"],
+        ["--draft-block", "int8"],
+    )
+    for extra in extras:
         assert main(args + extra) == 0
         runs.append(json.loads(capsys.readouterr().out)["tokens"])
     ar = Generator(target, mode="ar").generate(prompt_file.read_text(), max_new_tokens=6).tokens[0]
-    assert runs[0] == runs[1] == runs[2] == runs[3] == ar
+    assert runs == [ar] * len(extras)
 
 
 def test_plain_output_prints_text_then_stats(checkpoint, prompt_file, capsys):
@@ -124,6 +131,7 @@ def bad_prompt_files(tmp_path):
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--tree-widths", "4,16"], "longspec or pld only"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--full-draft-vocabulary"], "a draft's modes"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "ar", "--draft-head", "int8"], "a draft's modes"),
+        (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--draft-block", "int8"], "--draft-block applies"),
         (["--prompt-file", "{tmp}/long.txt", "--mode", "pld", "--lookup-tokens", "3"], "beside a draft's tree"),
         (["--prompt-file", "{tmp}/long.txt", "--lookup-tokens", "-1"], "--lookup-tokens"),
         (["--prompt-file", "{tmp}/long.txt", "--target", "{ckpt}", "--lookup-tokens", "3"], "no shipped draft"),

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from longspec_jax.draft import draft_candidates, draft_logits
-from longspec_jax.draft_head import INT8_MIN_BYTES, draft_head, quantized_rows, reads_int8
+from longspec_jax.draft_head import draft_head, reads_int8
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
 from longspec_jax.generation import generate
+from longspec_jax.int8_rows import INT8_MIN_BYTES, quantized_rows
 from longspec_jax.proposers import proposer_for
 from longspec_jax.sampling import SamplingParams, gumbel_noise
 from longspec_jax.target import random_target
@@ -112,12 +113,14 @@ def test_a_draft_builds_its_head_once_and_keeps_its_format(target):
         draft.with_head_format("int4")
 
 
-def test_greedy_output_with_an_int8_head_equals_ar():
+@pytest.mark.parametrize("block_format", ["full", "int8"])
+def test_greedy_output_with_an_int8_head_equals_ar(block_format):
     """A tree, a drawn chain and mode auto with the draft reading int8 rows, cut or whole, under
-    both impls: the target's check keeps AR's tokens."""
+    both impls, its own block as it is or int8 too (int8_rows.py): the target's check keeps AR's
+    tokens."""
     target = random_target(tiny_config(head_dim=64), seed=1, dtype="float32")
     vocab = target.config.vocab_size
-    draft = init_draft(target, seed=2).with_head_format("int8")
+    draft = init_draft(target, seed=2).with_head_format("int8").with_block_format(block_format)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, size=9).tolist(), rng.integers(0, vocab, size=5).tolist()]
     reference = generate(target, prompts, mode="ar", max_new_tokens=8, eos_token_ids=(), attn_impl="xla").tokens

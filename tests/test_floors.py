@@ -76,6 +76,10 @@ def test_a_draft_level_reads_its_block_the_head_and_the_last_layer_cache():
     assert one - cut == (c.vocab_size - 32) * c.hidden_size * 4  # only its candidates' rows of the head
     int8 = floors.draft_level_seconds(model, draft.with_head_format("int8"), 4, 64, 1, BYTES)
     assert one - int8 == c.vocab_size * (c.hidden_size * 4 - (c.hidden_size + 4))  # a byte a weight, a scale a row
+    block = floors.draft_level_seconds(model, draft.with_block_format("int8"), 4, 64, 1, BYTES)
+    matrices = [x for x in jax.tree.leaves(nnx.state(draft.block)) if x.ndim == 2]
+    assert len(matrices) == 9  # q, k, v, o, cross q and o, gate, up, down
+    assert one - block == sum(m.size * 4 - (m.size + 4 * m.shape[1]) for m in matrices)  # norms and biases stay
 
 
 def test_a_round_of_draft_levels_runs_the_root_then_each_level_but_the_last():

@@ -127,6 +127,41 @@ def test_norm_prologue_matches_the_model_rmsnorm(dtype):
         np.testing.assert_allclose(as_f64(y), as_f64(product), rtol=BF16_RTOL, atol=1e-3)
 
 
+# (M, N, K, prologue, extras, block sizes) over an int8 weight with a scale a row: each prologue,
+# rows within one and over two row blocks, N off the column tile.
+INT8_CASES = [
+    (1, 100, 192, "none", "bias", {}),
+    (16, 100, 96, "norm", "residual", {}),
+    (37, 100, 64, "swiglu", "bias residual", {}),
+    (130, 100, 192, "none", "", {"block_rows": 64, "block_cols": 32, "block_k": 64}),
+]
+
+
+def int8_weight(args, seed):
+    """args with its weight as int8 rows of very different scales (float32 scale a row)."""
+    rng = np.random.default_rng(seed)
+    n, k = args["weight"].shape
+    args = dict(args, weight=jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8))
+    return dict(args, weight_scale=jnp.asarray(rng.uniform(0.1, 3.0, n) / (127 * np.sqrt(k)), jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m,n,k,prologue,extras,blocks", INT8_CASES)
+def test_int8_weight_matches_float64_reference_of_the_scaled_rows(m, n, k, prologue, extras, blocks, dtype):
+    args = int8_weight(random_inputs([m, n, k, 8], m, n, k, prologue, extras, dtype), m)
+
+    y = call(args, prologue, **blocks)
+
+    assert y.shape == (m, n) and y.dtype == dtype
+    scaled = as_f64(args["weight"]) * as_f64(args["weight_scale"])[:, None]
+    plain = {key: v for key, v in args.items() if key not in ("weight", "weight_scale")}
+    want = reference(**plain, weight=scaled, swiglu=prologue == "swiglu")
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_allclose(as_f64(y), want, rtol=BF16_RTOL, atol=1e-3)
+
+
 def bad_inputs():
     x, w = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((100, 64), jnp.bfloat16)
     g = jnp.ones((64,), jnp.bfloat16)
@@ -145,6 +180,10 @@ def bad_inputs():
     yield "block_k not dividing K", (x[:, :48], w[:, :48]), {"block_k": 32}, "must divide K"
     yield "block_rows", (x, w), {"block_rows": 8}, "block_rows must be a power of two"
     yield "block_cols", (x, w), {"block_cols": 48}, "block_cols must be a power of two"
+    scale = jnp.ones((100,), jnp.float32)
+    yield "weight_scale beside a float weight", (x, w), {"weight_scale": scale}, "beside an int8 weight"
+    yield "weight_scale shape", (x, w.astype(jnp.int8)), {"weight_scale": scale[:50]}, r"float32 \[N\] = \(100,\)"
+    yield "int8 weight without a scale", (x, w.astype(jnp.int8)), {}, "float dtype"
 
 
 @pytest.mark.parametrize("name,args,kwargs,match", list(bad_inputs()), ids=[c[0] for c in bad_inputs()])
@@ -165,3 +204,17 @@ def test_gpu_compiled_kernel_matches_reference(m, n, k, prologue, extras):
 
     want = reference(**args, swiglu=prologue == "swiglu")
     np.testing.assert_allclose(as_f64(y), want, rtol=BF16_RTOL, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_compiled_int8_kernel_matches_reference(m):
+    """The compiled kernel over an int8 weight at a 7B draft's o product (bf16 rows)."""
+    args = int8_weight(random_inputs(m, m, 4096, 4096, "none", "residual", jnp.bfloat16), m)
+
+    y = jax.jit(lambda a: call(a, "none", interpret=False))(args)
+
+    scaled = as_f64(args["weight"]) * as_f64(args["weight_scale"])[:, None]
+    want = reference(args["x"], scaled, residual=args["residual"])
+    np.testing.assert_allclose(as_f64(y), want, rtol=BF16_RTOL, atol=2e-3)

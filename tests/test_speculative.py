@@ -277,7 +277,8 @@ def exact_first_three(target, prompt, sampling):
     # draft's candidate tokens (None: all), here leaving out token 2, which the target does pick.
     # lookup: a prompt-lookup chain beside the tree, one depth deeper than the tree (the prompt
     # repeats its tokens, so the chain holds some). head: how the draft reads the LM head
-    # (draft_head.py; int8: the drawn chain's acceptance test must use the int8 rows' distribution).
+    # (draft_head.py; int8: the drawn chain's acceptance test must use the int8 rows' distribution;
+    # int8+block: its block's matrices int8 too, int8_rows.py).
     [
         (1.0, 1.0, (2, 2), None, 0, "auto"),
         (0.7, 1.0, (2, 2), None, 0, "auto"),
@@ -289,12 +290,14 @@ def exact_first_three(target, prompt, sampling):
         (1.0, 1.0, (2, 2), None, 3, "auto"),
         (1.0, 1.0, (1, 1), None, 0, "int8"),
         (0.7, 1.0, (2, 2), (0, 1, 3), 0, "int8"),
+        (1.0, 1.0, (1, 1), None, 0, "int8+block"),
     ],
 )
 def test_longspec_sampling_first_three_tokens_match_target(temperature, top_p, widths, candidates, lookup, head):
     target = sharpened_target(seed=2, vocab_size=SAMPLE_VOCAB, eos_token_ids=())
     draft = init_draft(target, seed=3, config=DraftConfig(window=16))  # a small ring: the batch is large
-    draft = draft.with_candidate_tokens(candidates).with_head_format(head)
+    draft = draft.with_candidate_tokens(candidates).with_head_format(head.removesuffix("+block"))
+    draft = draft.with_block_format("int8" if head.endswith("+block") else "auto")
     prompt = [1, 3, 0, 2, 2]
     result = generate(
         target,
