@@ -2,7 +2,7 @@
 streamer (`pallas_kernels.row_matmul_mgpu`), each beside the bytes floor of the same process.
 
     python -m benchmarks.bench_row_products [--shapes llama31_8b,vicuna7b] [--rows 1,16,64]
-        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--json OUT]
+        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--int8] [--json OUT]
 
 Each product (q|k|v, o, gate|up, down, in the inference layout [N, K]) runs over `--layers`
 distinct weight matrices, one after the other, inside a device loop of `--repeats` passes: a real
@@ -10,7 +10,9 @@ model's layers, so no weight is found in the L2 from the pass before. Each produ
 summed into a running number (one small reduction a product, the same for every variant) so that
 nothing is skipped. The streamer's knobs are swept as tile_n:splits:stages at the largest row
 count; the best one is then timed at every row count. Ratios are to the weights' bytes (and the
-matrix work) at the rates `floors.measure_rates` measures in the same process.
+matrix work) at the rates `floors.measure_rates` measures in the same process. --int8 also times
+each product over int8 copies of the same matrices with a float32 scale a row (a draft's block,
+int8_rows.py): XLA's product and `fused_linear` with the model's settings for it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import floors
+from longspec_jax import model
+from longspec_jax.int8_rows import quantized_rows
 from longspec_jax.model_shapes import MODEL_SHAPES
 from pallas_kernels import row_matmul_mgpu
+from pallas_kernels.fused_linear import fused_linear
 
 DEFAULT_CONFIGS = "128:1:4,128:1:8,64:1:8,64:2:8,128:2:8,128:4:8,256:4:4,256:8:4"
 
@@ -69,7 +74,7 @@ def time_product(product, weights, rows: int, repeats: int) -> float:
 
         return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))
 
-    x = jax.random.normal(jax.random.key(1), (rows, weights[0].shape[1]), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (rows, jax.tree.leaves(weights)[0].shape[1]), jnp.bfloat16)
     n = jnp.asarray(repeats, jnp.int32)
     compiled = passes.lower(weights, x, n).compile()
     jax.block_until_ready(compiled(weights, x, n))
@@ -81,7 +86,38 @@ def time_product(product, weights, rows: int, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates):
+def xla_int8_product(x, w):
+    """XLA's product over int8 rows with a float32 scale each, as `PackedLinear` writes it off the kernel."""
+    rows, scale = w
+    y = jax.lax.dot_general(x, rows.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
+def kernel_int8_product(x, w):
+    """`fused_linear` over int8 rows with the model's settings for it (`model.int8_kernel_settings`)."""
+    return fused_linear(x, w[0], weight_scale=w[1], **model.int8_kernel_settings(w[0].shape[1]))
+
+
+def run_int8(name, product, weights, rows_list, repeats, rates):
+    """The product over int8 copies of `weights` (int8_rows.py), by XLA and by `fused_linear`."""
+    int8 = [quantized_rows(w) for w in weights]
+    n, k = weights[0].shape
+    records = []
+    for rows in rows_list:
+        floor = rates.seconds(n * k + 4 * n, 2 * rows * n * k)
+        xla = time_product(xla_int8_product, int8, rows, repeats)
+        mine = time_product(kernel_int8_product, int8, rows, repeats)
+        knobs = model.int8_kernel_settings(k)
+        record = dict(shape=name, product=f"{product} int8", n=n, k=k, rows=rows, floor_us=1e6 * floor)
+        records.append(dict(record, xla_us=1e6 * xla, kernel_us=1e6 * mine, kernel_config=knobs))
+        print(
+            f"{name:<11}{product:<8} rows {rows:>3}, int8: floor {1e6 * floor:7.1f} us | XLA {1e6 * xla:7.1f}"
+            f" ({xla / floor:4.2f}x) | fused_linear {1e6 * mine:7.1f} ({mine / floor:4.2f}x)"
+        )
+    return records
+
+
+def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8=False):
     key = jax.random.fold_in(jax.random.key(0), zlib.crc32(product.encode()))
     weights = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(layers)]
     floor = {rows: rates.seconds(n * k * 2, 2 * rows * n * k) for rows in rows_list}
@@ -118,13 +154,13 @@ def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates)
             f"{name:<11}{product:<8} rows {rows:>3}: floor {1e6 * floor[rows]:7.1f} us | XLA {1e6 * xla:7.1f}"
             f" ({xla / floor[rows]:4.2f}x) | streamer {best} {1e6 * mine:7.1f} ({mine / floor[rows]:4.2f}x)"
         )
-    return records
+    return records + (run_int8(name, product, weights, rows_list, repeats, rates) if int8 else [])
 
 
-def run_shape(name, rows_list, layers, repeats, configs, rates):
+def run_shape(name, rows_list, layers, repeats, configs, rates, int8=False):
     records = []
     for product, (n, k) in product_shapes(name).items():
-        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates)
+        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8)
     return records
 
 
@@ -134,16 +170,21 @@ def main(argv=None):
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="tile_n:splits:stages, comma-separated")
+    parser.add_argument(
+        "--configs", default=DEFAULT_CONFIGS, help="the streamer's tile_n:splits:stages, comma-separated (empty: none)"
+    )
+    parser.add_argument(
+        "--int8", action="store_true", help="also time each product over int8 rows (a draft's), by XLA and fused_linear"
+    )
     parser.add_argument("--json", help="write every timing here")
     args = parser.parse_args(argv)
-    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",") if c]  # "": XLA's alone
     rows_list = [int(r) for r in args.rows.split(",")]
     rates = floors.measure_rates()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; floors at {rates.bandwidth / 1e9:.0f} GB/s")
     records = []
     for name in args.shapes.split(","):
-        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates)
+        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates, args.int8)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

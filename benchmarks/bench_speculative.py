@@ -53,6 +53,7 @@ from flax import nnx
 from benchmarks import floors
 from benchmarks.decode_kernels import with_vocabulary
 from benchmarks.trace_round import print_summary, print_top, summarise
+from longspec_jax import model as model_module
 from longspec_jax.attention import CACHE_ROW_TILE, IMPLS, default_impl
 from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, bucket_length, cache_bytes, compiled, timed
@@ -222,6 +223,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default="auto",
         help=f"comma-separated formats of the draft's block ({', '.join(BLOCK_FORMATS)}), a round timed with each",
     )
+    p.add_argument(
+        "--int8-products",
+        default=model_module.INT8_PRODUCTS,
+        help="comma-separated ways an int8 draft block's products run on a GPU (xla: XLA's GEMM, the default; "
+        "kernel: fused_linear), a round timed with each",
+    )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     p.add_argument(
         "--lookup-tokens",
@@ -238,6 +245,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     dtype = "float32" if args.small else "bfloat16"
     heads = [check_head_format(h) for h in args.draft_heads.split(",")]
     blocks = [check_block_format(b) for b in args.draft_blocks.split(",")]
+    routes = args.int8_products.split(",")
+    if not set(routes) <= {"xla", "kernel"}:
+        raise SystemExit(f"--int8-products: {args.int8_products!r}: choose among xla, kernel")
 
     print(
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC | {jax.devices()[0].device_kind} "
@@ -261,11 +271,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
         )
         for context in contexts:
             ar_ms = float("nan")
-            for vocabulary, head_format, block_format in itertools.product(
-                args.candidate_tokens.split(","), heads, blocks
+            for vocabulary, head_format, block_format, route in itertools.product(
+                args.candidate_tokens.split(","), heads, blocks, routes
             ):
                 cut = with_vocabulary(draft, vocabulary).with_head_format(head_format).with_block_format(block_format)
                 formats = [head_format] * (head_format != "auto") + [f"block-{block_format}"] * (block_format != "auto")
+                formats += [f"{route}-products"] * (len(routes) > 1)
+                model_module.INT8_PRODUCTS = route
+                jax.clear_caches()  # the route is chosen when a program is traced
                 row = Row(shape, context, "/".join([vocabulary, *formats]))
                 row.ar_floor_ms = 1e3 * floors.step_seconds(model, 1, context, args.batch, rates)
                 row.draft_floor_ms = 1e3 * floors.draft_round_seconds(model, cut, widths, context, args.batch, rates)

@@ -64,6 +64,31 @@ SMALL_ROWS = (2, 3)
 # the verify 2-3 % slower on an H100 (BENCHMARKS.md, "Norms folded into the products").
 SCALE_AFTER_ROWS = 16
 SCALE_AFTER_MAX_WIDTH = 1024
+# How a product over int8 rows (`PackedLinear.to_int8`: a 7B draft's block) runs on a GPU:
+# "xla", XLA's GEMM reading the int8 rows (timed in rounds: BENCHMARKS.md, "The draft's block as
+# int8 too"), or "kernel", `fused_linear`'s int8 path for at most INT8_KERNEL_MAX_ROWS rows, in
+# tiles of INT8_BLOCK_COLS output columns walking K INT8_BLOCK_K at a time through INT8_STAGES
+# pipeline stages (tested, not yet timed in a round: `bench_speculative --int8-products xla,kernel`
+# and `bench_row_products --int8` time both).
+INT8_PRODUCTS = "xla"
+INT8_KERNEL_MAX_ROWS = 64
+INT8_BLOCK_COLS = 32
+INT8_BLOCK_K = 256
+INT8_STAGES = 4
+
+
+def int8_kernel_settings(dim: int) -> dict:
+    """`fused_linear`'s settings for a product over int8 rows with K = dim."""
+    return dict(block_cols=INT8_BLOCK_COLS, block_k=math.gcd(dim, INT8_BLOCK_K), num_stages=INT8_STAGES)
+
+
+def int8_kernel_knobs(rows: int, dim: int) -> dict | None:
+    """`int8_kernel_settings` where a product over int8 rows of `rows` rows runs as `fused_linear`
+    (INT8_PRODUCTS "kernel", on a GPU, at most INT8_KERNEL_MAX_ROWS rows: a draft level's nodes),
+    else None (XLA's product)."""
+    if INT8_PRODUCTS != "kernel" or rows > INT8_KERNEL_MAX_ROWS or jax.default_backend() != "gpu":
+        return None
+    return int8_kernel_settings(dim)
 
 
 def small_rows_for(platform: str) -> tuple[int, ...]:
@@ -199,6 +224,11 @@ class PackedLinear(nnx.Module):
             scale = inverse_rms(x32, self.eps)
             if rows < SCALE_AFTER_ROWS or x.shape[-1] > SCALE_AFTER_MAX_WIDTH:
                 x, scale = (x32 * scale).astype(x.dtype), None
+        if self.weight_scale is not None and self.eps is None and (knobs := int8_kernel_knobs(rows, w.shape[1])):
+            flat = fused_linear(
+                x.reshape(rows, -1), w, weight_scale=self.weight_scale[...], bias=_value(self.bias), **knobs
+            )
+            return flat.reshape(*x.shape[:-1], w.shape[0])
         if self.weight_scale is not None:  # int8 rows: the columns' scales join the rows' after the product
             w = w.astype(x.dtype)
             scale = self.weight_scale[...] if scale is None else scale * self.weight_scale[...]

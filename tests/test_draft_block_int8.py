@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from longspec_jax import model
 from longspec_jax.draft_io import init_draft
 from longspec_jax.errors import UserError
 from longspec_jax.int8_rows import INT8_MIN_BYTES, block_reads_int8, quantized_rows
 from longspec_jax.model import SCALE_AFTER_ROWS, Linear, PackedLinear, RMSNorm, inverse_rms
 from longspec_jax.proposers import draft_parameters
 from longspec_jax.target import random_target
+from pallas_kernels.fused_linear import fused_linear
 from tests.tiny_models import tiny_config
 
 IN, OUTS = 48, (40, 24)
@@ -97,3 +99,29 @@ def test_a_draft_builds_its_int8_block_once_and_keeps_its_format():
     assert draft.proposal_key() == "all" and int8.with_head_format("int8").proposal_key() == "all/int8/block-int8"
     with pytest.raises(UserError, match="unknown draft block format 'int4'"):
         draft.with_block_format("int4")
+
+
+def test_with_int8_products_on_the_kernel_a_gpu_runs_a_draft_levels_products_as_fused_linear(monkeypatch):
+    """`int8_kernel_knobs`: only where INT8_PRODUCTS is "kernel" (XLA's GEMM by default), up to 64
+    rows, on a GPU; the routed product (the kernel interpreted here) equals XLA's over the same rows."""
+    monkeypatch.setattr(model.jax, "default_backend", lambda: "gpu")
+    assert model.INT8_PRODUCTS == "xla" and model.int8_kernel_knobs(16, 4096) is None
+    monkeypatch.setattr(model, "INT8_PRODUCTS", "kernel")
+    assert model.int8_kernel_knobs(65, 4096) is None
+    knobs = model.int8_kernel_knobs(16, 14336)
+    assert knobs == model.int8_kernel_settings(14336) and 14336 % knobs["block_k"] == 0
+    product = _product(True, False)
+    product.to_int8()
+    x = jax.random.normal(jax.random.key(0), (2, 8, IN))
+    calls = []
+    monkeypatch.setattr(
+        model, "fused_linear", lambda *a, **kw: calls.append(kw) or fused_linear(*a, **kw, interpret=True)
+    )
+
+    routed = product(x)
+
+    assert len(calls) == 1 and calls[0]["weight_scale"] is not None
+    monkeypatch.setattr(model.jax, "default_backend", lambda: "cpu")
+    assert model.int8_kernel_knobs(16, 4096) is None
+    np.testing.assert_allclose(np.asarray(routed), np.asarray(product(x)), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1  # XLA's product this time

@@ -176,3 +176,30 @@ def test_fused_linear_lowers_to_a_valid_triton_module(lowered_modules, m, n, k, 
         *arrays,
     )
     assert_valid_modules(lowered_modules, {"fused_linear"})
+
+
+# A 7B draft's int8 products (int8_rows.py) at a level's 16 rows and batch 4's 64, with the model's
+# settings for them (`model.int8_kernel_settings`), and one with a bias and a residual.
+@pytest.mark.parametrize(
+    "m,n,k,extras",
+    [(16, 6144, 4096, ""), (16, 28672, 4096, ""), (64, 4096, 14336, ""), (1, 4096, 4096, "bias residual")],
+)
+def test_fused_linear_over_int8_rows_lowers_to_a_valid_triton_module(lowered_modules, m, n, k, extras):
+    from longspec_jax import model
+
+    knobs = model.int8_kernel_settings(k)
+    shapes = {"bias": (n,), "residual": (m, n)}
+    names = extras.split()
+    x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int8)
+    scale = jax.ShapeDtypeStruct((n,), jnp.float32)
+    arrays = [jax.ShapeDtypeStruct(shapes[name], jnp.bfloat16) for name in names]
+    lower_for_cuda(
+        lambda x, w, s, *arrays: fused_linear(
+            x, w, weight_scale=s, interpret=False, **knobs, **dict(zip(names, arrays))
+        ),
+        x,
+        w,
+        scale,
+        *arrays,
+    )
+    assert_valid_modules(lowered_modules, {"fused_linear"})
