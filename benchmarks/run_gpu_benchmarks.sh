@@ -5,6 +5,8 @@
 # Usage (from the repo root): [SECTIONS="decode speculative attention"] bash benchmarks/run_gpu_benchmarks.sh
 #   SPEC_SHAPES (vicuna7b llama3_8b)  SPEC_CONTEXTS (4096,16384,32768,65536)  SPEC_S (200 per shape)
 #   SPEC_HEADS (auto; auto,target also times each round with the draft reading the target's bf16 head)
+#   SPEC_BLOCKS (auto; auto,full also times it with the draft's block in bf16, not int8)
+#   SPEC_INT8_PRODUCTS (xla; xla,kernel also times it with the int8 block's products on fused_linear)
 #   ATTN_ARGS (extra benchmarks.bench_attention flags)  ATTN_S (130)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS="ignore::DeprecationWarning"
@@ -21,7 +23,8 @@ for section in $SECTIONS; do
             for shape in ${SPEC_SHAPES:-vicuna7b llama3_8b}; do
                 timeout "${SPEC_S:-200}" python3 -m benchmarks.bench_speculative --impl pallas --rounds 16 --repeats 3 \
                     --shapes "$shape" --contexts "${SPEC_CONTEXTS:-4096,16384,32768,65536}" \
-                    --draft-heads "${SPEC_HEADS:-auto}" 2>&1 \
+                    --draft-heads "${SPEC_HEADS:-auto}" --draft-blocks "${SPEC_BLOCKS:-auto}" \
+                    --int8-products "${SPEC_INT8_PRODUCTS:-xla}" 2>&1 \
                     | tee "$OUT/speculative_$shape.txt"
                 logs+=("speculative_$shape")
             done ;;
