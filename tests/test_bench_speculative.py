@@ -37,3 +37,18 @@ def _value(header: str, row: str, name: str) -> float:
     """The number under a right-aligned column of the table."""
     end = header.index(name) + len(name)
     return float(row[:end].split()[-1])
+
+
+def test_each_block_format_is_a_row_and_the_models_int8_route_is_left_as_it_was():
+    """--draft-blocks full,int8 times one round each, named in the cands column; --int8-products
+    kernel changes the model's route only while the rows are timed."""
+    from benchmarks import bench_speculative
+    from longspec_jax import model
+
+    args = ["--small", "--contexts", "64", "--rounds", "2", "--repeats", "1", "--tree-widths", "2,2"]
+    rows = bench_speculative.main(args + ["--draft-blocks", "full,int8", "--int8-products", "kernel"])
+
+    assert [r.candidates for r in rows] == ["all/block-full", "all/block-int8"]
+    assert all(r.round_ms > 0 and not r.error for r in rows)
+    assert rows[1].draft_floor_ms < rows[0].draft_floor_ms  # the int8 block's bytes
+    assert model.INT8_PRODUCTS == "xla"
