@@ -4,7 +4,7 @@ row) at a few launch settings, beside the kernel over the bfloat16 head at its d
 For a head of V x H (Llama-3: 128,256 x 4,096; Vicuna-7B: 32,000 x 4,096) and rows 1 and 16 (a tree
 level's nodes), k = 16, each setting is timed by `bench_draft_top_k.loop_us`: its calls inside one
 device loop (each call's input depends on the previous result), best of three; us per call. A setting is (tokens per
-program, warps, pipeline stages); None is the kernel's default.
+program, warps, pipeline stages, features of H a step loads); None is the kernel's default.
 
     python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16]
 """
@@ -22,8 +22,20 @@ from longspec_jax.int8_rows import quantized_rows
 from pallas_kernels.head_top_k import head_top_k
 
 K = 16
-# (block_vocab, num_warps, num_stages)
-SETTINGS = [(256, None, 3), (256, 8, 3), (256, 4, 4), (128, 4, 3), (128, 8, 3), (512, 8, 3), (256, 8, 4)]
+# (block_vocab, num_warps, num_stages, block_h)
+SETTINGS = [
+    (256, None, 3, None),
+    (256, 8, 3, None),
+    (256, 4, 4, None),
+    (128, 4, 3, None),
+    (128, 8, 3, None),
+    (512, 8, 3, None),
+    (256, 8, 4, None),
+    (256, 4, 2, 256),
+    (128, 4, 3, 256),
+    (128, 4, 4, 256),
+    (64, 4, 4, 256),
+]
 
 
 def main(argv=None) -> list[tuple]:
@@ -41,15 +53,16 @@ def main(argv=None) -> list[tuple]:
             us = loop_us(functools.partial(head_top_k, head=head, k=K), x)
             results.append((vocab, rows, "bf16 default", us))
             print(vocab, rows, "bf16 default", round(us, 1), flush=True)
-            for block_vocab, warps, stages in SETTINGS:
-                knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages)
+            for block_vocab, warps, stages, block_h in SETTINGS:
+                knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
                 int8_top_k = functools.partial(head_top_k, head=rows8, k=K, head_scale=scale, **knobs)
                 try:
                     us = loop_us(int8_top_k, x)
                 except Exception as err:  # a setting the compiler refuses is a row, not a crash
                     us = f"fail {type(err).__name__}"
-                results.append((vocab, rows, "int8", block_vocab, warps, stages, us))
-                print(vocab, rows, "int8", block_vocab, warps, stages, us if isinstance(us, str) else round(us, 1))
+                results.append((vocab, rows, "int8", block_vocab, warps, stages, block_h, us))
+                shown = us if isinstance(us, str) else round(us, 1)
+                print(vocab, rows, "int8", block_vocab, warps, stages, block_h, shown, flush=True)
     return results
 
 

@@ -170,13 +170,16 @@ def _merge_kernel(values_ref, ids_ref, max_ref, sum_ref, log_probs_ref, top_ids_
     plgpu.store(top_ids_ref.at[pl.ds(0, slots)], best_ids, mask=slot_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "block_rows", "block_vocab", "num_warps", "num_stages"))
-def _head_top_k(hidden, head, head_scale, noise, *, k, interpret, block_rows, block_vocab, num_warps, num_stages):
+@functools.partial(
+    jax.jit, static_argnames=("k", "interpret", "block_rows", "block_vocab", "chunk", "num_warps", "num_stages")
+)
+def _head_top_k(
+    hidden, head, head_scale, noise, *, k, interpret, block_rows, block_vocab, chunk, num_warps, num_stages
+):
     rows, dim = hidden.shape
     vocab = head.shape[0]
     groups = 1 if noise is None else noise.shape[0]
     per_group = rows // groups
-    chunk = head_chunk(dim, block_vocab, head.dtype.itemsize)
     tiles = pl.cdiv(vocab, block_vocab)
     tile_kernel = functools.partial(
         _tile_kernel,
@@ -261,6 +264,7 @@ def head_top_k(
     interpret=None,
     block_rows=None,
     block_vocab=None,
+    block_h=None,
     num_warps=None,
     num_stages=None,
 ):
@@ -272,16 +276,21 @@ def head_top_k(
     log_softmax(hidden @ head.T) per row, in descending order, ties to the lower token id (as
     jax.lax.top_k), computed with float32 accumulation. k is static. noise (optional, float32
     [G, V], G dividing R): row r's entries are ranked with noise[r // (R / G)] added, and come out
-    as log-prob + noise (module doc). Block sizes (powers of two,
-    block_rows >= 16) and Triton's num_warps / num_stages default to choices for the H200.
+    as log-prob + noise (module doc). Block sizes (powers of two, block_rows >= 16; block_h, the
+    features of H a step of the loop over H loads, >= 16 and dividing H: by default `head_chunk`'s)
+    and Triton's num_warps / num_stages default to choices for the H200.
     """
     _check(hidden, head, k, noise, head_scale)
     per_group = hidden.shape[0] // (1 if noise is None else noise.shape[0])
     block_rows = fb.block_size(per_group, MAX_BLOCK_ROWS) if block_rows is None else block_rows
     block_vocab = BLOCK_VOCAB if block_vocab is None else block_vocab
-    for name, size, least in (("block_rows", block_rows, fb.MIN_BLOCK), ("block_vocab", block_vocab, fb.MIN_BLOCK)):
-        if size < least or size & (size - 1):
-            raise ValueError(f"head_top_k: {name} must be a power of two >= {least}, got {size}")
+    dim = hidden.shape[1]
+    block_h = head_chunk(dim, block_vocab, head.dtype.itemsize) if block_h is None else block_h
+    for name, size in (("block_rows", block_rows), ("block_vocab", block_vocab), ("block_h", block_h)):
+        if size < fb.MIN_BLOCK or size & (size - 1):
+            raise ValueError(f"head_top_k: {name} must be a power of two >= {fb.MIN_BLOCK}, got {size}")
+    if dim % block_h:
+        raise ValueError(f"head_top_k: block_h {block_h} must divide H = {dim}")
     if num_warps is None:  # a [64, 512] tile on 4 warps runs ~3x slower than on 8 (register spills)
         num_warps = 4 if block_rows * block_vocab <= 4096 else 8
     return _head_top_k(
@@ -293,6 +302,7 @@ def head_top_k(
         interpret=fb.default_interpret() if interpret is None else interpret,
         block_rows=block_rows,
         block_vocab=block_vocab,
+        chunk=block_h,
         num_warps=num_warps,
         num_stages=3 if num_stages is None else num_stages,
     )

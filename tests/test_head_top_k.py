@@ -44,6 +44,7 @@ CASES = [
     (16, 1000, 576, 1, {}),
     (37, 4099, 64, 16, {"block_rows": 16, "block_vocab": 128}),
     (37, 1000, 96, 5, {"block_vocab": 512}),
+    (3, 1000, 576, 4, {"block_h": 64}),
 ]
 
 
@@ -162,6 +163,7 @@ INT8_CASES = [
     (37, 4099, 96, 16, jnp.float32, 0, {"block_rows": 16, "block_vocab": 128}),
     (16, 1000, 576, 8, jnp.bfloat16, 0, {}),
     (6, 1000, 64, 4, jnp.float32, 2, {}),
+    (16, 1000, 576, 8, jnp.bfloat16, 0, {"block_h": 32}),
 ]
 
 
@@ -197,6 +199,8 @@ def bad_inputs():
     yield "H not a multiple of 16", (hidden[:, :40], head[:, :40], 4), {}, "multiple of 16"
     yield "block_vocab", (hidden, head, 4), {"block_vocab": 96}, "block_vocab must be a power of two"
     yield "block_rows", (hidden, head, 4), {"block_rows": 8}, "block_rows must be a power of two"
+    yield "block_h", (hidden, head, 4), {"block_h": 24}, "block_h must be a power of two"
+    yield "block_h past H", (hidden, head, 4), {"block_h": 128}, "block_h 128 must divide H = 64"
     yield "noise of another V", (hidden, head, 4), {"noise": jnp.zeros((1, 99))}, r"noise must be \[G, V=100\]"
     yield "noise groups", (hidden, head, 4), {"noise": jnp.zeros((3, 100))}, "G dividing the 2 rows"
     int8 = head.astype(jnp.int8)

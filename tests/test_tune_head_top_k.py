@@ -5,10 +5,10 @@ from benchmarks import bench_draft_top_k, tune_head_top_k
 
 def test_every_setting_is_timed_over_the_int8_head(monkeypatch, capsys):
     monkeypatch.setattr(bench_draft_top_k, "ITERATIONS", 1)
-    monkeypatch.setattr(tune_head_top_k, "SETTINGS", [(256, None, 3), (128, 4, 3)])
+    monkeypatch.setattr(tune_head_top_k, "SETTINGS", [(256, None, 3, None), (128, 4, 3, 32)])
 
     results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "1"])
 
     assert [r[2] for r in results] == ["bf16 default", "int8", "int8"]
     assert all(isinstance(r[-1], float) and r[-1] > 0 for r in results)
-    assert "300 1 int8 128 4 3" in capsys.readouterr().out
+    assert "300 1 int8 128 4 3 32" in capsys.readouterr().out
