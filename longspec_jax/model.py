@@ -86,7 +86,7 @@ def int8_kernel_knobs(rows: int, dim: int) -> dict | None:
     """`int8_kernel_settings` where a product over int8 rows of `rows` rows runs as `fused_linear`
     (INT8_PRODUCTS "kernel", on a GPU, at most INT8_KERNEL_MAX_ROWS rows: a draft level's nodes),
     else None (XLA's product)."""
-    if INT8_PRODUCTS != "kernel" or rows > INT8_KERNEL_MAX_ROWS or jax.default_backend() != "gpu":
+    if INT8_PRODUCTS != "kernel" or rows > INT8_KERNEL_MAX_ROWS or flash_block.default_interpret():
         return None
     return int8_kernel_settings(dim)
 
