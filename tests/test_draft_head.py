@@ -113,20 +113,20 @@ def test_a_draft_builds_its_head_once_and_keeps_its_format(target):
         draft.with_head_format("int4")
 
 
-@pytest.mark.parametrize("block_format", ["full", "int8"])
-def test_greedy_output_with_an_int8_head_equals_ar(block_format):
+def test_greedy_output_with_an_int8_head_equals_ar():
     """A tree, a drawn chain and mode auto with the draft reading int8 rows, cut or whole, under
-    both impls, its own block as it is or int8 too (int8_rows.py): the target's check keeps AR's
-    tokens."""
+    both impls, its own block as it is or int8 too (int8_rows.py: the Pallas tree, the drawn chain
+    and mode auto): the target's check keeps AR's tokens."""
     target = random_target(tiny_config(head_dim=64), seed=1, dtype="float32")
     vocab = target.config.vocab_size
-    draft = init_draft(target, seed=2).with_head_format("int8").with_block_format(block_format)
+    full_block = init_draft(target, seed=2).with_head_format("int8")
+    draft = full_block.with_block_format("int8")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, size=9).tolist(), rng.integers(0, vocab, size=5).tolist()]
     reference = generate(target, prompts, mode="ar", max_new_tokens=8, eos_token_ids=(), attn_impl="xla").tokens
     run = functools.partial(generate, target, prompts, max_new_tokens=8, eos_token_ids=())
     cut = draft.with_candidate_tokens(np.arange(0, vocab, 4))
-    for d, impl, widths in ((draft, "xla", (3, 3)), (draft, "pallas", (2, 2)), (cut, "xla", (1, 1))):
+    for d, impl, widths in ((full_block, "xla", (3, 3)), (draft, "pallas", (2, 2)), (cut, "xla", (1, 1))):
         got = run(draft=d, mode="longspec", tree_widths=widths, attn_impl=impl)
         assert got.tokens == reference, (impl, widths)
     assert run(draft=draft, mode="auto").tokens == reference
