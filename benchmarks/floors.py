@@ -24,7 +24,6 @@ from flax import nnx
 
 from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.draft_head import reads_int8
-from longspec_jax.int8_rows import block_reads_int8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +126,7 @@ def block_bytes(draft) -> int:
     a float32 scale an output."""
     block = jax.tree.leaves(nnx.state(draft.block))
     held = cache_bytes(block)
-    if not block_reads_int8(draft.block_format, held):
+    if not draft.block_int8:
         return held
     matrices = [x for x in block if x.ndim == 2]
     return held - cache_bytes(matrices) + sum(m.size + 4 * m.shape[1] for m in matrices)

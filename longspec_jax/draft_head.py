@@ -5,10 +5,10 @@ A draft level reads the head once for its few rows, five times a round: Llama-3'
 head is 1.05 GB in bfloat16, ~2 of an H100's 11.8 ms round at 32k (BENCHMARKS.md, "Where a Llama-3-8B
 round's time goes"). The candidates need not be exact for the output to be (the target's check
 decides every token), so a large head is read as int8 (`HEAD_FORMATS`, "auto": from
-INT8_MIN_BYTES): each row symmetric, scale = max |row| / 127, half the bytes of bfloat16. The
-draft's own distribution, where a drawn chain's acceptance test needs it, comes from the same
-int8 rows (`DraftHead.logits`), so it is the distribution the draft drew from and sampling stays
-exact. Greedy output and the sampling distribution stay the target's; what the rounding costs is
+`int8_rows.INT8_MIN_BYTES`): each row symmetric, scale = max |row| / 127, half the bytes of
+bfloat16. The draft's own distribution, where a drawn chain's acceptance test needs it, comes
+from the same int8 rows (`DraftHead.logits`), so it is the distribution the draft drew from and
+sampling stays exact. Greedy output and the sampling distribution stay the target's; what the rounding costs is
 rounds where it moves a candidate out of a level's top k.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from longspec_jax.errors import UserError
-from longspec_jax.int8_rows import INT8_MIN_BYTES, quantized_rows
+from longspec_jax.int8_rows import quantized_rows, takes_int8
 from pallas_kernels.head_top_k import head_top_k
 
 # "auto": the target's rows for a head under int8_rows.INT8_MIN_BYTES (in the target's dtype), else
@@ -71,9 +71,7 @@ def check_head_format(head_format: str) -> str:
 
 def reads_int8(head_format: str, rows: int, hidden: int, dtype) -> bool:
     """Whether a draft's head of `rows` rows of `hidden` features in `dtype` is read as int8."""
-    if check_head_format(head_format) != "auto":
-        return head_format == "int8"
-    return rows * hidden * jnp.dtype(dtype).itemsize >= INT8_MIN_BYTES
+    return takes_int8(check_head_format(head_format), rows * hidden * jnp.dtype(dtype).itemsize)
 
 
 def draft_head(target_model, ids=None, head_format: str = "auto") -> DraftHead | None:

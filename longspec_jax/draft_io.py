@@ -75,10 +75,16 @@ class Draft:
         `block_format` says so), built once per small_rows and shared by every proposer made from
         this draft (mode auto makes one per plan; a 7B target's draft block is ~0.5 GB a copy);
         rebuilt when the block's arrays were replaced."""
-        leaves = jax.tree.leaves(nnx.state(self.block))
-        int8 = block_reads_int8(self.block_format, sum(x.size * x.dtype.itemsize for x in leaves))
-        arrays = tuple(id(x) for x in leaves)
+        int8 = self.block_int8
+        arrays = tuple(id(x) for x in jax.tree.leaves(nnx.state(self.block)))
         return self._once(("block", small_rows, int8), arrays, lambda: self.block.inference_layout(small_rows, int8))
+
+    @property
+    def block_int8(self) -> bool:
+        """Whether the inference block holds its matrices as int8 (`block_format`, "auto" by the
+        bytes of the block as loaded)."""
+        leaves = jax.tree.leaves(nnx.state(self.block))
+        return block_reads_int8(self.block_format, sum(x.size * x.dtype.itemsize for x in leaves))
 
     def head_under(self, target_model) -> DraftHead | None:
         """The head this draft ranks its candidates under in target_model (`draft_head.draft_head`:

@@ -39,8 +39,13 @@ def check_block_format(block_format: str) -> str:
     return block_format
 
 
+def takes_int8(checked_format: str, nbytes: int) -> bool:
+    """Whether a draft's part (its head or its block) of `nbytes` in its own dtype is read as int8
+    under `checked_format` (one of its formats, checked): "int8" yes, "auto" from INT8_MIN_BYTES,
+    any other no."""
+    return nbytes >= INT8_MIN_BYTES if checked_format == "auto" else checked_format == "int8"
+
+
 def block_reads_int8(block_format: str, nbytes: int) -> bool:
     """Whether a draft block of `nbytes` (its parameters in the dtype it runs in) holds int8 matrices."""
-    if check_block_format(block_format) != "auto":
-        return block_format == "int8"
-    return nbytes >= INT8_MIN_BYTES
+    return takes_int8(check_block_format(block_format), nbytes)

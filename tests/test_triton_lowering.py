@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from longspec_jax.model import int8_kernel_settings
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
@@ -185,9 +186,7 @@ def test_fused_linear_lowers_to_a_valid_triton_module(lowered_modules, m, n, k, 
     [(16, 6144, 4096, ""), (16, 28672, 4096, ""), (64, 4096, 14336, ""), (1, 4096, 4096, "bias residual")],
 )
 def test_fused_linear_over_int8_rows_lowers_to_a_valid_triton_module(lowered_modules, m, n, k, extras):
-    from longspec_jax import model
-
-    knobs = model.int8_kernel_settings(k)
+    knobs = int8_kernel_settings(k)
     shapes = {"bias": (n,), "residual": (m, n)}
     names = extras.split()
     x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k), jnp.int8)
