@@ -150,9 +150,10 @@ def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates,
                 sweep=[(1e6 * s, c) for s, c in sweep] if rows == top else [],
             )  # fmt: skip
         )
+        streamer = f" | streamer {best} {1e6 * mine:7.1f} ({mine / floor[rows]:4.2f}x)" if best else ""
         print(
             f"{name:<11}{product:<8} rows {rows:>3}: floor {1e6 * floor[rows]:7.1f} us | XLA {1e6 * xla:7.1f}"
-            f" ({xla / floor[rows]:4.2f}x) | streamer {best} {1e6 * mine:7.1f} ({mine / floor[rows]:4.2f}x)"
+            f" ({xla / floor[rows]:4.2f}x){streamer}"
         )
     return records + (run_int8(name, product, weights, rows_list, repeats, rates) if int8 else [])
 

@@ -2,11 +2,14 @@
 row) at a few launch settings, beside the kernel over the bfloat16 head at its defaults, on the GPU.
 
 For a head of V x H (Llama-3: 128,256 x 4,096; Vicuna-7B: 32,000 x 4,096) and rows 1 and 16 (a tree
-level's nodes), k = 16, each setting is timed by `bench_draft_top_k.loop_us`: its calls inside one
-device loop (each call's input depends on the previous result), best of three; us per call. A setting is (tokens per
-program, warps, pipeline stages, features of H a step loads); None is the kernel's default.
+level's nodes), k = 16 (--k; a smaller k shows what the kernel's k rounds of selection cost), each
+setting is timed by `bench_draft_top_k.loop_us`: its calls inside one device loop (each call's input
+depends on the previous result), best of three; us per call. A setting is (tokens per program,
+warps, pipeline stages, features of H a step loads); None is the kernel's default. --settings times
+only the given ones, each as block_vocab:warps:stages:block_h with "-" for a default.
 
-    python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16]
+    python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16] [--k 16]
+        [--settings 256:-:3:-,128:4:3:-]
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from benchmarks.bench_draft_top_k import loop_us
 from longspec_jax.int8_rows import quantized_rows
 from pallas_kernels.head_top_k import head_top_k
 
-K = 16
 # (block_vocab, num_warps, num_stages, block_h)
 SETTINGS = [
     (256, None, 3, None),
@@ -35,14 +37,38 @@ SETTINGS = [
     (128, 4, 3, 256),
     (128, 4, 4, 256),
     (64, 4, 4, 256),
+    (256, 8, 4, 128),
+    (256, 4, 3, 128),
+    (512, 8, 3, 64),
+    (512, 8, 4, 64),
+    (512, 4, 3, 64),
+    (512, 8, 2, 128),
+    (1024, 8, 3, 32),
 ]
+
+
+def parse_settings(text: str) -> list[tuple]:
+    """ "256:-:3:-,128:4:3:256" -> [(256, None, 3, None), (128, 4, 3, 256)]."""
+    settings = []
+    for item in text.split(","):
+        fields = item.split(":")
+        if len(fields) != 4:
+            raise SystemExit(f"--settings: {item!r} is not block_vocab:warps:stages:block_h (use - for a default)")
+        try:
+            settings.append(tuple(None if f == "-" else int(f) for f in fields))
+        except ValueError:
+            raise SystemExit(f"--settings: {item!r} holds a field that is neither a whole number nor -") from None
+    return settings
 
 
 def main(argv=None) -> list[tuple]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="128256x4096,32000x4096", help="VOCABxHIDDEN, comma-separated")
     parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--k", type=int, default=16, help="candidates a row")
+    parser.add_argument("--settings", help="only these, as block_vocab:warps:stages:block_h,... (- for a default)")
     args = parser.parse_args(argv)
+    settings = SETTINGS if args.settings is None else parse_settings(args.settings)
     results = []
     for shape in args.shapes.split(","):
         vocab, hidden = (int(x) for x in shape.split("x"))
@@ -50,12 +76,12 @@ def main(argv=None) -> list[tuple]:
         rows8, scale = quantized_rows(head)
         for rows in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.bfloat16)
-            us = loop_us(functools.partial(head_top_k, head=head, k=K), x)
+            us = loop_us(functools.partial(head_top_k, head=head, k=args.k), x)
             results.append((vocab, rows, "bf16 default", us))
             print(vocab, rows, "bf16 default", round(us, 1), flush=True)
-            for block_vocab, warps, stages, block_h in SETTINGS:
+            for block_vocab, warps, stages, block_h in settings:
                 knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
-                int8_top_k = functools.partial(head_top_k, head=rows8, k=K, head_scale=scale, **knobs)
+                int8_top_k = functools.partial(head_top_k, head=rows8, k=args.k, head_scale=scale, **knobs)
                 try:
                     us = loop_us(int8_top_k, x)
                 except Exception as err:  # a setting the compiler refuses is a row, not a crash

@@ -1,5 +1,7 @@
 """benchmarks.tune_head_top_k runs each setting over the int8 head (the kernel interpreted on a CPU)."""
 
+import pytest
+
 from benchmarks import bench_draft_top_k, tune_head_top_k
 
 
@@ -12,3 +14,19 @@ def test_every_setting_is_timed_over_the_int8_head(monkeypatch, capsys):
     assert [r[2] for r in results] == ["bf16 default", "int8", "int8"]
     assert all(isinstance(r[-1], float) and r[-1] > 0 for r in results)
     assert "300 1 int8 128 4 3 32" in capsys.readouterr().out
+
+
+def test_settings_and_k_from_the_command_line(monkeypatch, capsys):
+    monkeypatch.setattr(bench_draft_top_k, "ITERATIONS", 1)
+
+    results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "2", "--k", "3", "--settings", "128:-:2:32"])
+
+    assert [r[2:7] for r in results[1:]] == [("int8", 128, None, 2, 32)]
+    assert "300 2 int8 128 None 2 32" in capsys.readouterr().out
+
+
+def test_a_malformed_setting_names_the_form(monkeypatch):
+    with pytest.raises(SystemExit, match="block_vocab:warps:stages:block_h"):
+        tune_head_top_k.main(["--settings", "128:4:3"])
+    with pytest.raises(SystemExit, match="neither a whole number"):
+        tune_head_top_k.main(["--settings", "128:four:3:-"])
