@@ -68,8 +68,9 @@ SCALE_AFTER_MAX_WIDTH = 1024
 # "xla", XLA's GEMM reading the int8 rows (timed in rounds: BENCHMARKS.md, "The draft's block as
 # int8 too"), or "kernel", `fused_linear`'s int8 path for at most INT8_KERNEL_MAX_ROWS rows, in
 # tiles of INT8_BLOCK_COLS output columns walking K INT8_BLOCK_K at a time through INT8_STAGES
-# pipeline stages (tested, not yet timed in a round: `bench_speculative --int8-products xla,kernel`
-# and `bench_row_products --int8` time both).
+# pipeline stages. Timed on an H100, the two gave the same Llama-3-8B round (BENCHMARKS.md, "The
+# draft's int8 products on a kernel of ours against XLA's"), so XLA's stays the default;
+# `bench_speculative --int8-products xla,kernel` and `bench_row_products --int8` time both.
 INT8_PRODUCTS = "xla"
 INT8_KERNEL_MAX_ROWS = 64
 INT8_BLOCK_COLS = 32
