@@ -16,7 +16,10 @@ Variants (the same weights):
   new K/V row written, then one attention over the cache);
 - fused_projections: as after, with each layer's projections (the AR step's and a verified
   block's) as fused Pallas kernels (`fused_linear`) instead of XLA's products and separate norm,
-  SwiGLU and residual kernels; the same program as after unless the attention impl is "pallas".
+  SwiGLU and residual kernels; the same program as after unless the attention impl is "pallas";
+- norms_in_xla: as after, with the one-token step's residual adds and norms as XLA's add, sum of
+  squares and scaling instead of one `residual_norm` kernel each (the same program as after unless
+  the attention impl is "pallas").
 
 For each variant and mode (AR; LongSpec when a draft is at hand) it prints the kernels in one
 iteration of the compiled decode loop (its while body), the step (AR) or round (LongSpec) time
@@ -214,7 +217,7 @@ class _AsLoaded(Target):
         return self.model
 
 
-VARIANTS = ("before", "after", "fused_projections")
+VARIANTS = ("before", "after", "fused_projections", "norms_in_xla")
 
 
 def variants(target) -> dict[str, Target]:
@@ -222,17 +225,20 @@ def variants(target) -> dict[str, Target]:
     before.one_token_attention = False
     fused_projections = nnx.clone(target.model)
     fused_projections.fused_projections = True
+    norms_in_xla = nnx.clone(target.model)
+    norms_in_xla.norm_kernels = False
     return {
         "before": _AsLoaded(target.config, before, target.tokenizer, target.shipped_draft),
         "after": Target(target.config, target.model, target.tokenizer, target.shipped_draft),
         "fused_projections": Target(target.config, fused_projections, target.tokenizer, target.shipped_draft),
+        "norms_in_xla": Target(target.config, norms_in_xla, target.tokenizer, target.shipped_draft),
     }
 
 
-def setup(small: bool, prompt_tokens: int, target_path: str | None = None, random_weights: bool = False):
-    """(target, draft or None, prompt token ids)."""
+def setup(small: bool, prompt_tokens: int, target_path: str | None = None, random_weights: str | None = None):
+    """(target, draft or None, prompt token ids). random_weights: a `MODEL_SHAPES` name."""
     if random_weights:  # a step's kernels and time do not depend on the weights; tau does
-        target = random_target(MODEL_SHAPES["smollm2_135m"], seed=0, dtype="bfloat16")
+        target = random_target(MODEL_SHAPES[random_weights], seed=0, dtype="bfloat16")
         draft = init_draft(target, seed=1).cast(jnp.bfloat16)
         prompt = np.random.default_rng(0).integers(0, target.config.vocab_size, prompt_tokens).tolist()
         return target, draft, prompt
@@ -273,10 +279,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs after the warm-up (5; 1 with --small)")
     parser.add_argument("--no-longspec", action="store_true", help="AR only")
     parser.add_argument("--target", help="a .gguf or HF directory (default: the embedded SmolLM2)")
-    parser.add_argument("--random", action="store_true", help="SmolLM2's shape with random weights and draft")
+    parser.add_argument(
+        "--random",
+        nargs="?",
+        const="smollm2_135m",
+        choices=sorted(MODEL_SHAPES),
+        metavar="SHAPE",
+        help="random weights and draft of a model shape (SmolLM2's without SHAPE; e.g. llama31_8b)",
+    )
     parser.add_argument("--hlo-out", type=Path, help="write each decode loop's optimised HLO text here")
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), help="default: fastest for the backend")
-    parser.add_argument("--variants", help="comma-separated, of: before, after, fused_projections (default: all)")
+    parser.add_argument("--variants", help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--tree-widths", help="LongSpec's tree, e.g. 4,4,4 (default: the default tree)")
     parser.add_argument("--json", type=Path, help="also write the table's rows here, as a JSON list")
     parser.add_argument(

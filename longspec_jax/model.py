@@ -21,9 +21,9 @@ rotates, attends and writes the block's K/V past the cache end (no slice or rota
 `commit` moves the accepted rows down within the cache in one kernel. With `fused_projections` set,
 each layer's projections (of a block and of the one-token step) run as fused Pallas kernels too
 (`fused_linear`: the norms in the q|k|v and gate|up products' prologues, SwiGLU in the down
-product's, the residual adds in their epilogues). Otherwise (not "pallas") the block's K/V come
-back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one write per cache
-array.
+product's, the residual adds in their epilogues). Otherwise each residual add and the norm after
+it are one kernel in the one-token step (`residual_norm`). Otherwise (not "pallas") the block's K/V come back as arrays
+(`BlockKV`) and `commit` writes the accepted rows from them, one write per cache array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
@@ -47,6 +47,7 @@ from longspec_jax.streamed_products import streamer_knobs
 from pallas_kernels import flash_block, row_matmul_mgpu
 from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
+from pallas_kernels.residual_norm import residual_norm
 
 INIT_STD = 0.02
 # Row counts (tokens x batch) whose packed products run as multiply-reduce on a GPU: on the H200 a
@@ -64,6 +65,13 @@ SMALL_ROWS = (2, 3)
 # the verify 2-3 % slower on an H100 (BENCHMARKS.md, "Norms folded into the products").
 SCALE_AFTER_ROWS = 16
 SCALE_AFTER_MAX_WIDTH = 1024
+
+
+def norms_first(rows: int, width: int) -> bool:
+    """Whether a folded norm scales a product's input (else its output rows): `SCALE_AFTER_ROWS`."""
+    return rows < SCALE_AFTER_ROWS or width > SCALE_AFTER_MAX_WIDTH
+
+
 # How a product over int8 rows (`PackedLinear.to_int8`: a 7B draft's block) runs on a GPU:
 # "xla", XLA's GEMM reading the int8 rows (timed in rounds: BENCHMARKS.md, "The draft's block as
 # int8 too"), or "kernel", `fused_linear`'s int8 path for at most INT8_KERNEL_MAX_ROWS rows, in
@@ -216,14 +224,20 @@ class PackedLinear(nnx.Module):
             ends.append(ends[-1] + p.kernel.shape[1])
         self.split_at = tuple(ends[1:-1])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, normed: jax.Array | None = None) -> jax.Array:
+        """normed: x under the folded norm (without its weight), where a kernel already made it
+        (`residual_norm`, only where `norms_first`); the product then reads it instead of x."""
         w = self.weight[...]
         rows = math.prod(x.shape[:-1])
         scale = None
-        if self.eps is not None:
+        if normed is not None:
+            if self.eps is None or not norms_first(rows, x.shape[-1]):
+                raise ValueError("a normed input is only for a product whose folded norm scales its input")
+            x = normed
+        elif self.eps is not None:
             x32 = x.astype(jnp.float32)
             scale = inverse_rms(x32, self.eps)
-            if rows < SCALE_AFTER_ROWS or x.shape[-1] > SCALE_AFTER_MAX_WIDTH:
+            if norms_first(rows, x.shape[-1]):
                 x, scale = (x32 * scale).astype(x.dtype), None
         if self.weight_scale is not None and self.eps is None and (knobs := int8_kernel_knobs(rows, w.shape[1])):
             flat = fused_linear(
@@ -268,8 +282,8 @@ class PackedLinear(nnx.Module):
             raise ValueError("this product has no norm folded into it")
         return dict(norm_weight=jnp.ones((self.weight.shape[1],), self.weight.dtype), eps=self.eps)
 
-    def parts(self, x: jax.Array) -> list[jax.Array]:
-        return jnp.split(self(x), self.split_at, axis=-1)
+    def parts(self, x: jax.Array, normed: jax.Array | None = None) -> list[jax.Array]:
+        return jnp.split(self(x, normed), self.split_at, axis=-1)
 
 
 class RMSNorm(nnx.Module):
@@ -339,9 +353,9 @@ class PackedAttentionProjections(nnx.Module):
         _, k, v = self.qkv(x, rope)
         return k, v
 
-    def qkv_product(self, x):
-        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D]."""
-        return self.qkv_proj(x)
+    def qkv_product(self, x, normed=None):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D] (normed: as `PackedLinear`'s)."""
+        return self.qkv_proj(x, normed)
 
 
 class MLP(nnx.Module):
@@ -364,8 +378,8 @@ class PackedMLP(nnx.Module):
         self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj], small_rows, norm)
         self.down_proj = PackedLinear([mlp.down_proj], small_rows)
 
-    def __call__(self, x):
-        gate, up = self.gate_up_proj.parts(x)
+    def __call__(self, x, normed=None):
+        gate, up = self.gate_up_proj.parts(x, normed)
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
@@ -382,8 +396,12 @@ class DecoderLayer(nnx.Module):
         """q [B,T,Hq,D], k [B,T,Hkv,D] (both after RoPE), v [B,T,Hkv,D]."""
         return self.self_attn.qkv(_normed(self.input_layernorm, x), rope)
 
-    def qkv_product(self, x):
-        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D], for an attention that rotates them itself."""
+    def qkv_product(self, x, normed=None):
+        """q|k|v before RoPE, [B, T, (Hq + 2 Hkv) * D], for an attention that rotates them itself.
+        normed: x under the input norm (without its weight), made by the previous layer's
+        `finish_with_norm` (packed layout only)."""
+        if normed is not None:
+            return self.self_attn.qkv_product(x, normed)
         return self.self_attn.qkv_product(_normed(self.input_layernorm, x))
 
     def finish(self, x, attn_out):
@@ -391,6 +409,15 @@ class DecoderLayer(nnx.Module):
         b, t = x.shape[:2]
         x = x + self.self_attn.o_proj(attn_out.reshape(b, t, -1))
         return x + self.mlp(_normed(self.post_attention_layernorm, x))
+
+    def finish_with_norm(self, x, attn_out, eps: float):
+        """`finish` with each residual add and the norm after it as one `residual_norm` kernel
+        (packed layout, where `norms_first`): the residual stream after this layer and that stream
+        under an RMSNorm of eps without its weight (the next layer's input norm, whose weight is in
+        its q|k|v matrix, or the final norm before its weight)."""
+        b, t = x.shape[:2]
+        x, normed = residual_norm(x, self.self_attn.o_proj(attn_out.reshape(b, t, -1)), self.mlp.gate_up_proj.eps)
+        return residual_norm(x, self.mlp(x, normed), eps)
 
     @property
     def packed(self) -> bool:
@@ -438,6 +465,11 @@ class Transformer(nnx.Module):
         # block and the one-token step). Off until timed on the GPU against XLA's
         # (benchmarks/decode_kernels.py compares the two).
         self.fused_projections = False
+        # In the one-token step, each residual add and the norm after it as one kernel
+        # (`DecoderLayer.finish_with_norm`; packed layout, impl "pallas", where `norms_first`)
+        # instead of XLA's add, sum of squares and scaling. A verified block's rows already get one
+        # kernel from XLA (its norm fusion, which also sums the product's partials).
+        self.norm_kernels = True
 
     def _rope(self, positions: jax.Array) -> Rope:
         return rope_tables(positions, jnp.asarray(inverse_frequencies(self.config)))
@@ -538,11 +570,20 @@ class Transformer(nnx.Module):
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
         fused = self.fused_projections and impl == "pallas" and (block_in_cache or one_token)
+        norm_kernels = (  # a verified block's rows XLA adds and norms in one kernel of its own
+            self.norm_kernels
+            and impl == "pallas"
+            and one_token
+            and not fused
+            and all(layer.packed for layer in self.layers)
+            and norms_first(math.prod(tokens.shape), x.shape[-1])
+        )
+        normed = None  # x under the next norm, without its weight, where a residual_norm kernel made it
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             fused_layer = fused and layer.packed
             if one_token or block_in_cache:
                 o, k_cache, v_cache = attention.attend_and_write_block(
-                    layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x),
+                    layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x, normed),
                     rope,
                     k_cache,
                     v_cache,
@@ -564,12 +605,16 @@ class Transformer(nnx.Module):
                 o = attention.hybrid_tree_attention(q, k_cache, v_cache, cache.lengths, k, v, block_mask, impl=impl)
                 block_k.append(k)
                 block_v.append(v)
-            x = layer.fused_finish(x, o) if fused_layer else layer.finish(x, o)
+            if norm_kernels:
+                x, normed = layer.finish_with_norm(x, o, self.norm.eps)
+            else:
+                x = layer.fused_finish(x, o) if fused_layer else layer.finish(x, o)
             cache_k.append(k_cache)
             cache_v.append(v_cache)
         cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
         block = BlockKV(k=None, v=None) if block_in_cache else BlockKV(k=tuple(block_k), v=tuple(block_v))
-        return self.lm_logits(self.norm(x)), cache, block
+        final = self.norm(x) if normed is None else self.norm.weight[...] * normed
+        return self.lm_logits(final), cache, block
 
     def last_layer_kv(
         self, tokens: jax.Array, positions: jax.Array, *, attn_impl: str | None = None, with_features: bool = False

@@ -10,18 +10,20 @@ from longspec_jax import decode_kit
 def test_small_run_reports_every_variant_and_fewer_kernels_after(capsys):
     rows = decode_kernels.main(["--small", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert [r["variant"] for r in rows] == ["before", "after", "fused_projections"]
+    assert [r["variant"] for r in rows] == ["before", "after", "fused_projections", "norms_in_xla"]
     for row in rows:
         assert row["ar_kernels"] > 0 and row["round_kernels"] > row["ar_kernels"]
         assert row["ar_step_ms"] > 0 and row["floor_ms"] > 0 and row["round_ms"] > 0
-    before, after, fused = rows
+    before, after, fused, norms_in_xla = rows
     assert after["ar_kernels"] < before["ar_kernels"] and after["round_kernels"] < before["round_kernels"]
-    # The CPU's default attention is XLA's, so the fused projections do not run: the same program.
-    assert (fused["ar_kernels"], fused["round_kernels"]) == (after["ar_kernels"], after["round_kernels"])
+    # The CPU's default attention is XLA's, so neither the fused projections nor the norm kernels
+    # run: the same programs.
+    for same in (fused, norms_in_xla):
+        assert (same["ar_kernels"], same["round_kernels"]) == (after["ar_kernels"], after["round_kernels"])
     lines = out.splitlines()
     table = lines[max(i for i, line in enumerate(lines) if line.split()[:1] == ["variant"]) :]
     assert "AR kernels" in table[0]
-    assert [line.split()[0] for line in table[1:4]] == ["before", "after", "fused_projections"]
+    assert [line.split()[0] for line in table[1:5]] == ["before", "after", "fused_projections", "norms_in_xla"]
     assert str(after["ar_kernels"]) in table[2].split()
 
 

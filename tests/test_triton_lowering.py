@@ -17,6 +17,7 @@ from pallas_kernels.commit_rows import commit_rows
 from pallas_kernels.fused_linear import fused_linear
 from pallas_kernels.head_top_k import head_top_k
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
+from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.tree_attention import masked_attention
 
 
@@ -202,3 +203,11 @@ def test_fused_linear_over_int8_rows_lowers_to_a_valid_triton_module(lowered_mod
         *arrays,
     )
     assert_valid_modules(lowered_modules, {"fused_linear"})
+
+
+# An AR step's row at SmolLM2's width (masked lanes) and a 7B's, a verify's 74 rows at Qwen2.5-7B's.
+@pytest.mark.parametrize("rows,width", [(1, 576), (4, 4096), (74, 3584)])
+def test_residual_norm_lowers_to_a_valid_triton_module(lowered_modules, rows, width):
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    lower_for_cuda(lambda x, d: residual_norm(x, d, 1e-5, interpret=False), x, x)
+    assert_valid_modules(lowered_modules, {"residual_norm"})

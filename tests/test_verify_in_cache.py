@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from longspec_jax import model as model_module
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
 from longspec_jax.generation import generate
@@ -120,3 +121,39 @@ def test_pallas_ar_steps_with_fused_projections_equal_xla():
     assert (
         generate(fused, prompts, max_new_tokens=6, eos_token_ids=(), attn_impl="pallas", mode="ar").tokens == reference
     )
+
+
+@pytest.mark.parametrize("tokens_per_row,kernels_per_layer", [(1, 2), (5, 0)])
+def test_residual_norm_kernels_decode_what_xla_norms_do(tokens_per_row, kernels_per_layer, monkeypatch):
+    """An AR step (one token) with each residual add and its norm as one `residual_norm` kernel
+    (interpret mode, two a layer) gives the logits and cache of XLA's add, statistics and scaling;
+    a verified block keeps XLA's (its norm fusion is one kernel already)."""
+    config = tiny_config(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2)
+    model = random_target(config, seed=4, dtype="float32").model.inference_layout()
+    rng = np.random.default_rng(4)
+    lengths = np.asarray([9, 3], np.int32)
+    prompts = rng.integers(0, config.vocab_size, size=(2, 10)).astype(np.int32)
+    graphdef, params = nnx.split(model)
+    _, cache = _prefill(graphdef, params, prompts, lengths, init_cache(config, 2, MAX_LEN, jnp.float32))
+    t = tokens_per_row
+    mask = np.tril(np.ones((2, t, t), bool))
+    tokens = rng.integers(0, config.vocab_size, size=(2, t)).astype(np.int32)
+    positions = (lengths[:, None] + np.arange(t)).astype(np.int32)
+
+    calls, kernel = [], model_module.residual_norm
+    monkeypatch.setattr(model_module, "residual_norm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+    outputs = {}
+    for norm_kernels in (True, False):
+        model.norm_kernels = norm_kernels
+        graphdef, params = nnx.split(model)
+
+        def block(params, graphdef=graphdef):
+            return nnx.merge(graphdef, params).forward_block(tokens, positions, mask, cache, attn_impl="pallas")
+
+        calls.clear()
+        outputs[norm_kernels] = jax.jit(block)(params)
+        assert len(calls) == (kernels_per_layer * config.num_layers if norm_kernels else 0)
+    (logits, verified, _), (logits_x, verified_x, _) = outputs[True], outputs[False]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_x), rtol=1e-5, atol=1e-5)
+    for got, want in zip(verified.k + verified.v, verified_x.k + verified_x.v):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

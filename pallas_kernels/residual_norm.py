@@ -1,0 +1,72 @@
+"""A residual add and the RMSNorm after it, as one kernel for a few rows.
+
+Between two products of a layer the model adds a product's output to the residual stream and
+normalises the sum for the next product, whose matrix holds the norm's weight (`model.PackedLinear`):
+h = x + delta, n = h * rsqrt(mean(h^2) + eps). For an AR step's or a verify's few rows XLA runs that
+as three kernels (the add, the sum of squares, the scaling), each a few microseconds of launch for a
+few kilobytes; here it is one. One program per row loads the row whole (its width rounded up to a
+power of two, the extra lanes masked off), so h is read from registers, not memory, by the other two.
+
+The rounding follows the model's: h is rounded to x's dtype, its statistics are taken in float32 from
+that rounded h, and n is rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import flash_block as fb
+
+# Row widths one program holds in registers: 8,192 float32 lanes of h are 64 registers a thread at
+# 4 warps, beside x and delta's loads.
+MAX_WIDTH = 8192
+
+
+def _kernel(x_ref, delta_ref, h_ref, n_ref, *, width, block, eps):
+    cols = jnp.arange(block, dtype=jnp.int32)
+    ok = cols < width
+    x = plgpu.load(x_ref.at[cols], mask=ok, other=0).astype(jnp.float32)
+    delta = plgpu.load(delta_ref.at[cols], mask=ok, other=0).astype(jnp.float32)
+    h = (x + delta).astype(h_ref.dtype)
+    h32 = h.astype(jnp.float32)
+    inverse_rms = jax.lax.rsqrt(jnp.sum(h32 * h32) / width + eps)
+    plgpu.store(h_ref.at[cols], h, mask=ok)
+    plgpu.store(n_ref.at[cols], (h32 * inverse_rms).astype(n_ref.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def _residual_norm(x, delta, *, eps, interpret):
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    block = fb.block_size(width, MAX_WIDTH)
+    row_spec = pl.BlockSpec((None, width), lambda r: (r, 0))
+    h, n = pl.pallas_call(
+        functools.partial(_kernel, width=width, block=block, eps=eps),
+        grid=(rows.shape[0],),
+        in_specs=[row_spec, row_spec],
+        out_specs=[row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct(rows.shape, x.dtype)] * 2,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="residual_norm",
+    )(rows, delta.reshape(rows.shape))
+    return h.reshape(x.shape), n.reshape(x.shape)
+
+
+def residual_norm(
+    x: jax.Array, delta: jax.Array, eps: float, *, interpret: bool | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """x, delta [..., H] -> (h, n), both in x's dtype: h = x + delta, n = h * rsqrt(mean(h^2) + eps)
+    (RMSNorm without its weight, statistics in float32)."""
+    if x.shape != delta.shape or x.ndim < 1:
+        raise ValueError(f"residual_norm: x and delta must be [..., H] of one shape, got {x.shape} and {delta.shape}")
+    if x.shape[-1] > MAX_WIDTH:
+        raise ValueError(f"residual_norm: rows of up to {MAX_WIDTH} features, got {x.shape[-1]}")
+    if interpret is None:
+        interpret = fb.default_interpret()
+    return _residual_norm(x, delta.astype(x.dtype), eps=float(eps), interpret=interpret)

@@ -1,0 +1,76 @@
+"""The residual-add-and-norm kernel (interpret mode) against a float64 reference and the model's XLA ops.
+
+The reference follows the model's rounding order in float64: h = x + delta rounded to the input
+dtype, its RMS statistics from that rounded h, n rounded once. Float32 rows must agree to float32
+rounding; bfloat16 rows may differ by one bfloat16 step where the float32 statistics round
+differently from float64's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longspec_jax.model import RMSNorm
+from pallas_kernels.residual_norm import MAX_WIDTH, residual_norm
+
+EPS = 1e-5
+
+
+def reference(x, delta, eps):
+    """(h, n) in float64, h rounded to x's dtype as the model rounds it."""
+    h = (np.asarray(x, np.float64) + np.asarray(delta, np.float64)).astype(np.float32)
+    h = np.asarray(jnp.asarray(h).astype(x.dtype), np.float64)
+    n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps)
+    return h, n
+
+
+# Widths: SmolLM2's 576 (not a power of two: masked lanes), a 7B's 4096, Qwen2.5-7B's 3584; rows as an
+# AR step at batch 1 and 4 and a verify's block.
+@pytest.mark.parametrize("shape", [(1, 1, 576), (4, 1, 4096), (1, 9, 3584), (2, 3, 64)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+def test_matches_float64_reference(shape, dtype, tol):
+    rng = np.random.default_rng(shape[-1])
+    x = jnp.asarray(rng.normal(size=shape) * 3, dtype)
+    delta = jnp.asarray(rng.normal(size=shape), dtype)
+    h, n = residual_norm(x, delta, EPS, interpret=True)
+    want_h, want_n = reference(x, delta, EPS)
+    assert h.dtype == n.dtype == dtype and h.shape == n.shape == shape
+    np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
+    np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=tol, atol=tol)
+
+
+def test_equals_the_models_add_then_norm():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 5, 576)), jnp.float32)
+    delta = jnp.asarray(rng.normal(size=(2, 5, 576)), jnp.float32)
+    h, n = residual_norm(x, delta, EPS, interpret=True)
+    norm = RMSNorm(576, EPS, dtype=jnp.float32)
+    np.testing.assert_array_equal(h, x + delta)
+    np.testing.assert_allclose(n, norm(x + delta), rtol=1e-6, atol=1e-6)
+
+
+def test_zero_row_gives_zeros_not_nan():
+    x = jnp.zeros((1, 576), jnp.bfloat16)
+    h, n = residual_norm(x, x, EPS, interpret=True)
+    assert not np.any(np.isnan(np.asarray(n, np.float32))) and not np.any(np.asarray(n, np.float32))
+
+
+def test_bad_shapes_name_the_fix():
+    with pytest.raises(ValueError, match="one shape"):
+        residual_norm(jnp.zeros((1, 8)), jnp.zeros((1, 16)), EPS)
+    with pytest.raises(ValueError, match=f"up to {MAX_WIDTH}"):
+        residual_norm(jnp.zeros((1, 2 * MAX_WIDTH)), jnp.zeros((1, 2 * MAX_WIDTH)), EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("shape", [(1, 1, 576), (4, 1, 4096), (74, 3584)])
+def test_gpu_compiled_kernel_matches_reference(shape):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=shape) * 3, jnp.bfloat16)
+    delta = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    h, n = jax.jit(lambda x, d: residual_norm(x, d, EPS, interpret=False))(x, delta)
+    want_h, want_n = reference(x, delta, EPS)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
+    np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=1e-2, atol=1e-2)
