@@ -158,11 +158,17 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument(
         "--fused-projections", action="store_true", help="each layer's projections as fused Pallas kernels"
     )
+    parser.add_argument(
+        "--norms-in-xla",
+        action="store_true",
+        help="the one-token step's residual adds and norms as XLA's ops, not residual_norm kernels",
+    )
     args = parser.parse_args(argv)
 
     device = gpu_device()
     target = random_target(MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
     target.model.fused_projections = args.fused_projections
+    target.model.norm_kernels = not args.norms_in_xla
     draft = init_draft(target, seed=1).cast(jnp.bfloat16)
     projections = "fused" if args.fused_projections else "XLA"
     print(

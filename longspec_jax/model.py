@@ -22,8 +22,9 @@ rotates, attends and writes the block's K/V past the cache end (no slice or rota
 each layer's projections (of a block and of the one-token step) run as fused Pallas kernels too
 (`fused_linear`: the norms in the q|k|v and gate|up products' prologues, SwiGLU in the down
 product's, the residual adds in their epilogues). Otherwise each residual add and the norm after
-it are one kernel in the one-token step (`residual_norm`). Otherwise (not "pallas") the block's K/V come back as arrays
-(`BlockKV`) and `commit` writes the accepted rows from them, one write per cache array.
+it are one kernel in the one-token step of one sequence (`residual_norm`). Otherwise (not
+"pallas") the block's K/V come back as arrays (`BlockKV`) and `commit` writes the accepted rows from
+them, one write per cache array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
@@ -465,10 +466,12 @@ class Transformer(nnx.Module):
         # block and the one-token step). Off until timed on the GPU against XLA's
         # (benchmarks/decode_kernels.py compares the two).
         self.fused_projections = False
-        # In the one-token step, each residual add and the norm after it as one kernel
-        # (`DecoderLayer.finish_with_norm`; packed layout, impl "pallas", where `norms_first`)
-        # instead of XLA's add, sum of squares and scaling. A verified block's rows already get one
-        # kernel from XLA (its norm fusion, which also sums the product's partials).
+        # In the one-token step of one sequence, each residual add and the norm after it as one
+        # kernel (`DecoderLayer.finish_with_norm`; packed layout, impl "pallas") instead of XLA's
+        # add, sum of squares and scaling. More rows get fewer kernels from XLA itself: a verified
+        # block's norm fusion also sums the product's split-K partials, and compiled for the H200,
+        # SmolLM2's AR step at batch 2 / 4 / 8 is 197 / 298 / 343 kernels with XLA's norms against
+        # 254 / 315 / 375 with these (BENCHMARKS.md, "The one-token step's residual adds").
         self.norm_kernels = True
 
     def _rope(self, positions: jax.Array) -> Rope:
@@ -570,13 +573,12 @@ class Transformer(nnx.Module):
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
         fused = self.fused_projections and impl == "pallas" and (block_in_cache or one_token)
-        norm_kernels = (  # a verified block's rows XLA adds and norms in one kernel of its own
+        norm_kernels = (
             self.norm_kernels
             and impl == "pallas"
-            and one_token
+            and tokens.shape == (1, 1)
             and not fused
             and all(layer.packed for layer in self.layers)
-            and norms_first(math.prod(tokens.shape), x.shape[-1])
         )
         normed = None  # x under the next norm, without its weight, where a residual_norm kernel made it
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):

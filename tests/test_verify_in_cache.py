@@ -123,21 +123,21 @@ def test_pallas_ar_steps_with_fused_projections_equal_xla():
     )
 
 
-@pytest.mark.parametrize("tokens_per_row,kernels_per_layer", [(1, 2), (5, 0)])
-def test_residual_norm_kernels_decode_what_xla_norms_do(tokens_per_row, kernels_per_layer, monkeypatch):
-    """An AR step (one token) with each residual add and its norm as one `residual_norm` kernel
+@pytest.mark.parametrize("batch,tokens_per_row,kernels_per_layer", [(1, 1, 2), (2, 1, 0), (1, 5, 0)])
+def test_residual_norm_kernels_decode_what_xla_norms_do(batch, tokens_per_row, kernels_per_layer, monkeypatch):
+    """An AR step of one sequence with each residual add and its norm as one `residual_norm` kernel
     (interpret mode, two a layer) gives the logits and cache of XLA's add, statistics and scaling;
-    a verified block keeps XLA's (its norm fusion is one kernel already)."""
+    a batch's step and a verified block keep XLA's (fewer kernels there)."""
     config = tiny_config(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2)
     model = random_target(config, seed=4, dtype="float32").model.inference_layout()
     rng = np.random.default_rng(4)
-    lengths = np.asarray([9, 3], np.int32)
-    prompts = rng.integers(0, config.vocab_size, size=(2, 10)).astype(np.int32)
+    lengths = np.asarray([9, 3][:batch], np.int32)
+    prompts = rng.integers(0, config.vocab_size, size=(batch, 10)).astype(np.int32)
     graphdef, params = nnx.split(model)
-    _, cache = _prefill(graphdef, params, prompts, lengths, init_cache(config, 2, MAX_LEN, jnp.float32))
+    _, cache = _prefill(graphdef, params, prompts, lengths, init_cache(config, batch, MAX_LEN, jnp.float32))
     t = tokens_per_row
-    mask = np.tril(np.ones((2, t, t), bool))
-    tokens = rng.integers(0, config.vocab_size, size=(2, t)).astype(np.int32)
+    mask = np.tril(np.ones((batch, t, t), bool))
+    tokens = rng.integers(0, config.vocab_size, size=(batch, t)).astype(np.int32)
     positions = (lengths[:, None] + np.arange(t)).astype(np.int32)
 
     calls, kernel = [], model_module.residual_norm
