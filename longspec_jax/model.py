@@ -18,13 +18,13 @@ A one-token `forward_block` (AR decoding) writes its K/V row and attends the cac
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
-`commit` moves the accepted rows down within the cache in one kernel. With `fused_projections` set,
-each layer's projections (of a block and of the one-token step) run as fused Pallas kernels too
-(`fused_linear`: the norms in the q|k|v and gate|up products' prologues, SwiGLU in the down
-product's, the residual adds in their epilogues). Otherwise each residual add and the norm after
-it are one kernel in the one-token step of one sequence (`residual_norm`). Otherwise (not
-"pallas") the block's K/V come back as arrays (`BlockKV`) and `commit` writes the accepted rows from
-them, one write per cache array.
+`commit` moves the accepted rows down within the cache in one kernel; in the one-token step of one
+sequence each residual add and the norm after it are one kernel (`residual_norm`). With
+`fused_projections` set, each layer's projections (of a block and of the one-token step) run as
+fused Pallas kernels too (`fused_linear`: the norms in the q|k|v and gate|up products' prologues,
+SwiGLU in the down product's, the residual adds in their epilogues). Otherwise (not "pallas") the
+block's K/V come back as arrays (`BlockKV`) and `commit` writes the accepted rows from them, one
+write per cache array.
 
 The cache holds keys after RoPE, so a block forward never re-rotates the prefix. Every length is
 an array, so one compiled program serves all prompt lengths of the same padded shape.
@@ -576,6 +576,7 @@ class Transformer(nnx.Module):
         norm_kernels = (
             self.norm_kernels
             and impl == "pallas"
+            and one_token
             and tokens.shape == (1, 1)
             and not fused
             and all(layer.packed for layer in self.layers)
