@@ -72,7 +72,7 @@ def child(args) -> None:
     from longspec_jax.generation import Generator
 
     if args.target is None:
-        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights=True)
+        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights="smollm2_135m")
     else:  # real weights: the target's own draft unless --draft, the prompt from --prompts or examples/doc.txt
         target, _, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, target_path=args.target)
         draft = inference_draft(target, args.draft)

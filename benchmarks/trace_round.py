@@ -140,7 +140,7 @@ def load(args):
     from longspec_jax.target import load_target
 
     if args.target is None:
-        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights=True)
+        target, draft, prompt = setup(small=False, prompt_tokens=args.prompt_tokens, random_weights="smollm2_135m")
         return target, with_vocabulary(draft, args.candidate_tokens or "all"), prompt
     if args.prompts is None:
         raise SystemExit("--target needs --prompts FILE.jsonl (an eval set's prompts, infer.build_eval_sets)")

@@ -9,6 +9,7 @@ import pytest
 from benchmarks import trace_round
 from benchmarks.trace_round import kernel_class, summarise, top_kernels, with_graphs_while_profiling
 from longspec_jax.draft_io import init_draft
+from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import load_target
 from tests.tiny_models import save_tiny_checkpoint, tiny_config
 
@@ -118,3 +119,9 @@ def test_a_saved_model_is_traced_in_each_mode_on_an_eval_prompt(tmp_path):
     assert all(0 < rounds <= 11 for _, rounds in traces.values())
     for path, _ in traces.values():
         assert path.is_file() and path.name == "perfetto_trace.json.gz"
+
+
+def test_without_a_target_random_weights_of_smollm2s_shape_load():
+    args = argparse.Namespace(target=None, prompt_tokens=12, candidate_tokens=None)
+    target, draft, prompt = trace_round.load(args)
+    assert target.config == MODEL_SHAPES["smollm2_135m"] and draft is not None and len(prompt) == 12
