@@ -411,14 +411,14 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn.o_proj(attn_out.reshape(b, t, -1))
         return x + self.mlp(_normed(self.post_attention_layernorm, x))
 
-    def finish_with_norm(self, x, attn_out, eps: float):
+    def finish_with_norm(self, x, attn_out, eps: float, weight=None):
         """`finish` with each residual add and the norm after it as one `residual_norm` kernel
         (packed layout, where `norms_first`): the residual stream after this layer and that stream
-        under an RMSNorm of eps without its weight (the next layer's input norm, whose weight is in
-        its q|k|v matrix, or the final norm before its weight)."""
+        under an RMSNorm of eps, without a weight (the next layer's input norm, whose weight is in
+        its q|k|v matrix) or with `weight` (the final norm's)."""
         b, t = x.shape[:2]
         x, normed = residual_norm(x, self.self_attn.o_proj(attn_out.reshape(b, t, -1)), self.mlp.gate_up_proj.eps)
-        return residual_norm(x, self.mlp(x, normed), eps)
+        return residual_norm(x, self.mlp(x, normed), eps, weight=weight)
 
     @property
     def packed(self) -> bool:
@@ -581,8 +581,8 @@ class Transformer(nnx.Module):
             and not fused
             and all(layer.packed for layer in self.layers)
         )
-        normed = None  # x under the next norm, without its weight, where a residual_norm kernel made it
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+        normed = None  # x under the next norm (the final one with its weight) where a residual_norm kernel made it
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v)):
             fused_layer = fused and layer.packed
             if one_token or block_in_cache:
                 o, k_cache, v_cache = attention.attend_and_write_block(
@@ -609,14 +609,15 @@ class Transformer(nnx.Module):
                 block_k.append(k)
                 block_v.append(v)
             if norm_kernels:
-                x, normed = layer.finish_with_norm(x, o, self.norm.eps)
+                last = i == len(self.layers) - 1
+                x, normed = layer.finish_with_norm(x, o, self.norm.eps, self.norm.weight[...] if last else None)
             else:
                 x = layer.fused_finish(x, o) if fused_layer else layer.finish(x, o)
             cache_k.append(k_cache)
             cache_v.append(v_cache)
         cache = cache.replace(k=tuple(cache_k), v=tuple(cache_v))
         block = BlockKV(k=None, v=None) if block_in_cache else BlockKV(k=tuple(block_k), v=tuple(block_v))
-        final = self.norm(x) if normed is None else self.norm.weight[...] * normed
+        final = self.norm(x) if normed is None else normed  # the last layer's kernel applied its weight
         return self.lm_logits(final), cache, block
 
     def last_layer_kv(

@@ -8,7 +8,9 @@ few kilobytes; here it is one. One program per row loads the row whole (its widt
 power of two, the extra lanes masked off), so h is read from registers, not memory, by the other two.
 
 The rounding follows the model's: h is rounded to x's dtype, its statistics are taken in float32 from
-that rounded h, and n is rounded once to x's dtype.
+that rounded h, and n is rounded once to x's dtype. With a weight (the model's final norm, whose
+product is the LM head shared with the embedding, so the weight cannot live in a matrix) n is then
+multiplied by it and rounded again, as `model.RMSNorm` does.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from pallas_kernels import flash_block as fb
 MAX_WIDTH = 8192
 
 
-def _kernel(x_ref, delta_ref, h_ref, n_ref, *, width, block, eps):
+def _kernel(x_ref, delta_ref, *refs, width, block, eps):
+    weight_ref, h_ref, n_ref = refs if len(refs) == 3 else (None, *refs)
     cols = jnp.arange(block, dtype=jnp.int32)
     ok = cols < width
     x = plgpu.load(x_ref.at[cols], mask=ok, other=0).astype(jnp.float32)
@@ -36,37 +39,46 @@ def _kernel(x_ref, delta_ref, h_ref, n_ref, *, width, block, eps):
     h32 = h.astype(jnp.float32)
     inverse_rms = jax.lax.rsqrt(jnp.sum(h32 * h32) / width + eps)
     plgpu.store(h_ref.at[cols], h, mask=ok)
-    plgpu.store(n_ref.at[cols], (h32 * inverse_rms).astype(n_ref.dtype), mask=ok)
+    n = (h32 * inverse_rms).astype(n_ref.dtype)
+    if weight_ref is not None:
+        weight = plgpu.load(weight_ref.at[cols], mask=ok, other=0).astype(jnp.float32)
+        n = (weight * n.astype(jnp.float32)).astype(n_ref.dtype)
+    plgpu.store(n_ref.at[cols], n, mask=ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def _residual_norm(x, delta, *, eps, interpret):
+def _residual_norm(x, delta, weight, *, eps, interpret):
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     block = fb.block_size(width, MAX_WIDTH)
     row_spec = pl.BlockSpec((None, width), lambda r: (r, 0))
+    inputs = (rows, delta.reshape(rows.shape)) + (() if weight is None else (weight,))
+    in_specs = [row_spec, row_spec] + ([] if weight is None else [pl.BlockSpec((width,), lambda r: (0,))])
     h, n = pl.pallas_call(
         functools.partial(_kernel, width=width, block=block, eps=eps),
         grid=(rows.shape[0],),
-        in_specs=[row_spec, row_spec],
+        in_specs=in_specs,
         out_specs=[row_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct(rows.shape, x.dtype)] * 2,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="residual_norm",
-    )(rows, delta.reshape(rows.shape))
+    )(*inputs)
     return h.reshape(x.shape), n.reshape(x.shape)
 
 
 def residual_norm(
-    x: jax.Array, delta: jax.Array, eps: float, *, interpret: bool | None = None
+    x: jax.Array, delta: jax.Array, eps: float, *, weight: jax.Array | None = None, interpret: bool | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """x, delta [..., H] -> (h, n), both in x's dtype: h = x + delta, n = h * rsqrt(mean(h^2) + eps)
-    (RMSNorm without its weight, statistics in float32)."""
+    (RMSNorm, statistics in float32), rounded, then times weight [H] and rounded again where given."""
     if x.shape != delta.shape or x.ndim < 1:
         raise ValueError(f"residual_norm: x and delta must be [..., H] of one shape, got {x.shape} and {delta.shape}")
+    if weight is not None and weight.shape != x.shape[-1:]:
+        raise ValueError(f"residual_norm: weight must be [H] = ({x.shape[-1]},), got {weight.shape}")
     if x.shape[-1] > MAX_WIDTH:
         raise ValueError(f"residual_norm: rows of up to {MAX_WIDTH} features, got {x.shape[-1]}")
     if interpret is None:
         interpret = fb.default_interpret()
-    return _residual_norm(x, delta.astype(x.dtype), eps=float(eps), interpret=interpret)
+    weight = None if weight is None else weight.astype(x.dtype)
+    return _residual_norm(x, delta.astype(x.dtype), weight, eps=float(eps), interpret=interpret)

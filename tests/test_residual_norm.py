@@ -50,6 +50,25 @@ def test_equals_the_models_add_then_norm():
     np.testing.assert_allclose(n, norm(x + delta), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_a_weight_scales_the_normed_rows(dtype, tol):
+    """With the final norm's weight: n rounded, times the weight, rounded again (model.RMSNorm's
+    order), against float64; and equal to the model's RMSNorm of h in float32."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(1, 1, 576)) * 3, dtype)
+    delta = jnp.asarray(rng.normal(size=(1, 1, 576)), dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 2.0, size=576), dtype)
+    h, n = residual_norm(x, delta, EPS, weight=weight, interpret=True)
+    want_h, want_n = reference(x, delta, EPS)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
+    np.testing.assert_allclose(np.asarray(n, np.float64), want_n * np.asarray(weight, np.float64), rtol=tol, atol=tol)
+    assert not np.allclose(np.asarray(n, np.float64), want_n, rtol=tol, atol=tol)  # the weight is applied
+    if dtype == jnp.float32:
+        norm = RMSNorm(576, EPS, dtype=dtype)
+        norm.weight[...] = weight
+        np.testing.assert_allclose(n, norm(h), rtol=1e-6, atol=1e-6)
+
+
 def test_zero_row_gives_zeros_not_nan():
     x = jnp.zeros((1, 576), jnp.bfloat16)
     h, n = residual_norm(x, x, EPS, interpret=True)
@@ -61,6 +80,8 @@ def test_bad_shapes_name_the_fix():
         residual_norm(jnp.zeros((1, 8)), jnp.zeros((1, 16)), EPS)
     with pytest.raises(ValueError, match=f"up to {MAX_WIDTH}"):
         residual_norm(jnp.zeros((1, 2 * MAX_WIDTH)), jnp.zeros((1, 2 * MAX_WIDTH)), EPS)
+    with pytest.raises(ValueError, match=r"weight must be \[H\] = \(8,\)"):
+        residual_norm(jnp.zeros((1, 8)), jnp.zeros((1, 8)), EPS, weight=jnp.ones((16,)))
 
 
 @pytest.mark.gpu
@@ -70,7 +91,11 @@ def test_gpu_compiled_kernel_matches_reference(shape):
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=shape) * 3, jnp.bfloat16)
     delta = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.5, 2.0, size=shape[-1]), jnp.bfloat16)
     h, n = jax.jit(lambda x, d: residual_norm(x, d, EPS, interpret=False))(x, delta)
+    _, weighted = jax.jit(lambda x, d, w: residual_norm(x, d, EPS, weight=w, interpret=False))(x, delta, weight)
     want_h, want_n = reference(x, delta, EPS)
     np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
     np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=1e-2, atol=1e-2)
+    want_weighted = want_n * np.asarray(weight, np.float64)
+    np.testing.assert_allclose(np.asarray(weighted, np.float64), want_weighted, rtol=2e-2, atol=2e-2)

@@ -131,6 +131,7 @@ def test_residual_norm_kernels_decode_what_xla_norms_do(batch, tokens_per_row, k
     config = tiny_config(head_dim=64, num_heads=4, num_kv_heads=2, num_layers=2)
     model = random_target(config, seed=4, dtype="float32").model.inference_layout()
     rng = np.random.default_rng(4)
+    model.norm.weight[...] = jnp.asarray(rng.uniform(0.5, 2.0, size=config.hidden_size), jnp.float32)  # not ones
     lengths = np.asarray([9, 3][:batch], np.int32)
     prompts = rng.integers(0, config.vocab_size, size=(batch, 10)).astype(np.int32)
     graphdef, params = nnx.split(model)
