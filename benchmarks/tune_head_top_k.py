@@ -1,15 +1,16 @@
-"""Times the draft's head top-k kernel (`head_top_k`) over an int8 head (draft_head.py: a scale a
-row) at a few launch settings, beside the kernel over the bfloat16 head at its defaults, on the GPU.
+"""Times the draft's head top-k kernel (`head_top_k`) over a head at a few launch settings, on the GPU.
 
-For a head of V x H (Llama-3: 128,256 x 4,096; Vicuna-7B: 32,000 x 4,096) and rows 1 and 16 (a tree
-level's nodes), k = 16 (--k; a smaller k shows what the kernel's k rounds of selection cost), each
-setting is timed by `bench_draft_top_k.loop_us`: its calls inside one device loop (each call's input
-depends on the previous result), best of three; us per call. A setting is (tokens per program,
-warps, pipeline stages, features of H a step loads); None is the kernel's default. --settings times
-only the given ones, each as block_vocab:warps:stages:block_h with "-" for a default.
+For a head of V x H (Llama-3: 128,256 x 4,096; Vicuna-7B: 32,000 x 4,096; the embedded SmolLM2's
+draft's cut head: 16,400 x 576) and rows 1 and 16 (a tree level's nodes), k = 16 (--k; a smaller k
+shows what the kernel's k rounds of selection cost), each setting is timed over the head in each of
+--formats (int8 with a float32 scale a row, as draft_head.py holds a 7B's; bf16, the target's rows)
+by `bench_draft_top_k.loop_us`: its calls inside one device loop (each call's input depends on the
+previous result), best of three; us per call. A setting is (tokens per program, warps, pipeline
+stages, features of H a step loads); None is the kernel's default. --settings times only the given
+ones, each as block_vocab:warps:stages:block_h with "-" for a default.
 
     python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16] [--k 16]
-        [--settings 256:-:3:-,128:4:3:-]
+        [--formats int8,bf16] [--settings 256:-:3:-,128:4:3:-]
 """
 
 from __future__ import annotations
@@ -60,28 +61,31 @@ def main(argv=None) -> list[tuple]:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--k", type=int, default=16, help="candidates a row")
     parser.add_argument("--settings", help="only these, as block_vocab:warps:stages:block_h,... (- for a default)")
+    parser.add_argument("--formats", default="int8", help="the head's formats, of int8 and bf16 (comma-separated)")
     args = parser.parse_args(argv)
     settings = SETTINGS if args.settings is None else parse_settings(args.settings)
+    formats = args.formats.split(",")
+    if not set(formats) <= {"int8", "bf16"}:
+        raise SystemExit(f"--formats: {args.formats!r} names a format other than int8 and bf16")
     results = []
     for shape in args.shapes.split(","):
         vocab, hidden = (int(x) for x in shape.split("x"))
         head = jax.random.normal(jax.random.key(0), (vocab, hidden), jnp.bfloat16) * 0.05
         rows8, scale = quantized_rows(head)
+        heads = {"bf16": {"head": head}, "int8": {"head": rows8, "head_scale": scale}}
         for rows in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.bfloat16)
-            us = loop_us(functools.partial(head_top_k, head=head, k=args.k), x)
-            results.append((vocab, rows, "bf16 default", us))
-            print(vocab, rows, "bf16 default", round(us, 1), flush=True)
-            for block_vocab, warps, stages, block_h in settings:
-                knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
-                int8_top_k = functools.partial(head_top_k, head=rows8, k=args.k, head_scale=scale, **knobs)
-                try:
-                    us = loop_us(int8_top_k, x)
-                except Exception as err:  # a setting the compiler refuses is a row, not a crash
-                    us = f"fail {type(err).__name__}"
-                results.append((vocab, rows, "int8", block_vocab, warps, stages, block_h, us))
-                shown = us if isinstance(us, str) else round(us, 1)
-                print(vocab, rows, "int8", block_vocab, warps, stages, block_h, shown, flush=True)
+            for head_format in formats:
+                for block_vocab, warps, stages, block_h in settings:
+                    knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
+                    top_k = functools.partial(head_top_k, k=args.k, **heads[head_format], **knobs)
+                    try:
+                        us = loop_us(top_k, x)
+                    except Exception as err:  # a setting the compiler refuses is a row, not a crash
+                        us = f"fail {type(err).__name__}"
+                    results.append((vocab, rows, head_format, block_vocab, warps, stages, block_h, us))
+                    shown = us if isinstance(us, str) else round(us, 1)
+                    print(vocab, rows, head_format, block_vocab, warps, stages, block_h, shown, flush=True)
     return results
 
 

@@ -29,12 +29,15 @@ axis, so a tile reads one noise row.
 A tile with fewer than k tokens (the last one, when V is not a multiple of the tile) pads its
 candidates with -inf, never chosen: there are V >= k finite logits ahead of them.
 
-The head may be int8 with a float32 scale a row (`head_scale`, row v = head[v] * head_scale[v]):
-a tile converts each int8 chunk to the hidden state's dtype as it loads it (exact: |q| <= 127),
-multiplies it as the first operand (the tile's logits transposed: Hopper's matrix units take
-that operand from registers, where the conversion leaves it, and the second from shared memory)
-and scales its float32 logits per token after the loop over H, so a level reads half the bytes
-of a bfloat16 head (longspec_jax/draft_head.py chooses it).
+The head may be int8 with a float32 scale a row (`head_scale`, row v = head[v] * head_scale[v]),
+half the bytes of a bfloat16 head (longspec_jax/draft_head.py chooses it). Hopper's matrix units
+take int8 against int8 only, and converting the head to the hidden state's dtype in the kernel
+(Triton loads the int8 operand two bytes at a time and repacks it) held the pass to ~2x the head's
+bytes on the H200. So the hidden state goes in as int8 too, in two parts (`int8_parts`): rows
+hidden ~ scale * (high + low / LOW_STEPS), ~16 bits of each row's largest entry. A tile multiplies
+the int8 head chunk by each part on the matrix units (int32 sums, exact), and its float32 logits
+are high + low / LOW_STEPS times the row's scale and the token's. The draft's candidates need not
+be exact for the output to be; the parts' error is ~250 times smaller than the int8 head's own.
 """
 
 from __future__ import annotations
@@ -58,6 +61,25 @@ BLOCK_VOCAB = 256
 # pipeline stages ~100 KB of shared memory, so two programs fit on an SM.
 HEAD_CHUNK_BYTES = 32 * 1024
 MAX_HEAD_CHUNK = 128
+# An int8 product's chunk of H: Hopper's int8 matrix instructions take K in steps of 32.
+INT8_MIN_CHUNK = 32
+# The hidden state's second int8 part counts steps of 1 / LOW_STEPS of the first part's unit.
+LOW_STEPS = 254
+
+
+def int8_parts(hidden):
+    """hidden [..., H] (float) -> (high, low int8 [..., H], scale float32 [...]) with
+    hidden ~ scale * (high + low / LOW_STEPS): scale = max |row| / 127 (1 for a row of zeros),
+    high = round(hidden / scale), low the rest in steps of 1 / LOW_STEPS. The error is at most
+    scale / (2 * LOW_STEPS), 2^-16 of the row's largest entry: as fine as bfloat16 at entries 2^8
+    times smaller than it, finer above."""
+    x = hidden.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
+    units = x / scale[..., None]
+    high = jnp.clip(jnp.round(units), -127, 127)
+    low = jnp.clip(jnp.round((units - high) * LOW_STEPS), -127, 127)
+    return high.astype(jnp.int8), low.astype(jnp.int8), scale
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -101,13 +123,16 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
 
 
 def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
-    """hidden [G, W, H], head [V, H], (scaled) head_scale [V] and (noisy) noise [G, V] whole; writes
-    this program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
-    hidden_ref, head_ref, *refs = refs
-    scale_ref = refs.pop(0) if scaled else None
+    """hidden [G, W, H] (scaled: its int8 parts high, low [G, W, H]), head [V, H], (scaled)
+    head_scale [V] and the parts' scale [G, W], (noisy) noise [G, V], all whole; writes this
+    program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
+    refs = list(refs)
+    hidden_refs = [refs.pop(0) for _ in range(2 if scaled else 1)]
+    head_ref = refs.pop(0)
+    scale_ref, row_scale_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
     noise_ref = refs.pop(0) if noisy else None
     values_ref, ids_ref, max_ref, sum_ref = refs
-    _, num_rows, dim = hidden_ref.shape
+    _, num_rows, dim = hidden_refs[0].shape
     vocab = head_ref.shape[0]
     group = pl.program_id(0)
     row0 = pl.program_id(1) * block_rows
@@ -116,25 +141,30 @@ def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
     token = tile * block_vocab + jnp.arange(block_vocab)
     token_ok = token < vocab
     tokens = pl.ds(tile * block_vocab, block_vocab)
+    rows = (group, pl.ds(row0, block_rows))
 
-    def accumulate(c, logits):
+    def accumulate(c, sums):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-        x = plgpu.load(hidden_ref.at[group, pl.ds(row0, block_rows), cols], mask=row_ok[:, None], other=0.0)
         w = plgpu.load(head_ref.at[tokens, cols], mask=token_ok[:, None], other=0)
-        if scaled:  # logits.T: the converted head chunk is the dot's first operand, taken from registers
-            return logits + plgpu.dot(w.astype(x.dtype), x, trans_b=True, allow_tf32=False)
-        return logits + plgpu.dot(x, w, trans_b=True, allow_tf32=False)
+        parts = [plgpu.load(ref.at[(*rows, cols)], mask=row_ok[:, None], other=0) for ref in hidden_refs]
+        if scaled:  # int8 by int8, int32 sums [tokens, rows]
+            return tuple(total + plgpu.dot(w, part, trans_b=True) for total, part in zip(sums, parts))
+        return (sums[0] + plgpu.dot(parts[0], w, trans_b=True, allow_tf32=False),)
 
-    shape = (block_vocab, block_rows) if scaled else (block_rows, block_vocab)
-    logits = lax.fori_loop(0, dim // chunk, accumulate, jnp.zeros(shape, jnp.float32))
     if scaled:
-        logits = logits.T * plgpu.load(scale_ref.at[tokens], mask=token_ok, other=0.0)[None, :]
+        zeros = jnp.zeros((block_vocab, block_rows), jnp.int32)
+        high, low = lax.fori_loop(0, dim // chunk, accumulate, (zeros, zeros))
+        logits = high.astype(jnp.float32) + low.astype(jnp.float32) * (1.0 / LOW_STEPS)
+        row_scale = plgpu.load(row_scale_ref.at[rows], mask=row_ok, other=0.0)
+        logits = logits.T * row_scale[:, None] * plgpu.load(scale_ref.at[tokens], mask=token_ok, other=0.0)[None, :]
+    else:
+        zeros = jnp.zeros((block_rows, block_vocab), jnp.float32)
+        (logits,) = lax.fori_loop(0, dim // chunk, accumulate, (zeros,))
     logits = jnp.where(token_ok[None, :], logits, -jnp.inf)
     top = jnp.max(logits, axis=1)  # finite: every tile holds at least one token
     total = jnp.sum(jnp.exp(logits - top[:, None]), axis=1)
-    rows = (group, pl.ds(row0, block_rows), tile)
-    plgpu.store(max_ref.at[rows], top, mask=row_ok)
-    plgpu.store(sum_ref.at[rows], total, mask=row_ok)
+    plgpu.store(max_ref.at[(*rows, tile)], top, mask=row_ok)
+    plgpu.store(sum_ref.at[(*rows, tile)], total, mask=row_ok)
 
     if noisy:
         logits = logits + plgpu.load(noise_ref.at[group, tokens], mask=token_ok, other=0.0)[None, :]
@@ -190,8 +220,11 @@ def _head_top_k(
         noisy=noise is not None,
         scaled=head_scale is not None,
     )
-    inputs = (hidden.reshape(groups, per_group, dim), head)
-    inputs += () if head_scale is None else (head_scale.astype(jnp.float32),)
+    if head_scale is None:
+        inputs = (hidden.reshape(groups, per_group, dim), head)
+    else:
+        high, low, row_scale = int8_parts(hidden.reshape(groups, per_group, dim))
+        inputs = (high, low, head, head_scale.astype(jnp.float32), row_scale)
     inputs += () if noise is None else (noise.astype(jnp.float32),)
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
@@ -291,6 +324,11 @@ def head_top_k(
             raise ValueError(f"head_top_k: {name} must be a power of two >= {fb.MIN_BLOCK}, got {size}")
     if dim % block_h:
         raise ValueError(f"head_top_k: block_h {block_h} must divide H = {dim}")
+    if head_scale is not None and block_h < INT8_MIN_CHUNK:
+        raise ValueError(
+            f"head_top_k: an int8 head's products take H in chunks of at least {INT8_MIN_CHUNK} (the matrix "
+            f"units' int8 step); got block_h {block_h} for H = {dim}: H must be a multiple of {INT8_MIN_CHUNK}"
+        )
     if num_warps is None:  # a [64, 512] tile on 4 warps runs ~3x slower than on 8 (register spills)
         num_warps = 4 if block_rows * block_vocab <= 4096 else 8
     return _head_top_k(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.head_top_k import head_top_k
+from pallas_kernels.head_top_k import LOW_STEPS, head_top_k, int8_parts
 
 
 def reference(hidden, head, k, noise=None):
@@ -167,11 +167,18 @@ INT8_CASES = [
 ]
 
 
+def as_parts_represent(hidden):
+    """hidden as `int8_parts` hands it to an int8 head's tiles, in float64."""
+    high, low, scale = (np.asarray(a, np.float64) for a in int8_parts(hidden))
+    return scale[:, None] * (high + low / LOW_STEPS)
+
+
 @pytest.mark.parametrize("r,v,h,k,dtype,groups,blocks", INT8_CASES)
 def test_int8_head_matches_float64_reference_of_the_scaled_rows(r, v, h, k, dtype, groups, blocks):
-    """An int8 head with a scale a row ranks as the float64 head head[v] * scale[v] does: the
-    conversion is exact and the scale multiplies each token's float32 logit. The test fails if the
-    scale is dropped, applied to the wrong tokens, or the rows are read as another dtype."""
+    """An int8 head with a scale a row ranks as the float64 head head[v] * scale[v] does against
+    the hidden state as its two int8 parts hold it: the int8 products are exact and the scales
+    multiply each float32 logit. The test fails if a scale or the low part is dropped, a scale
+    is applied to the wrong tokens, or the rows are read as another dtype."""
     rng = np.random.default_rng([r, v, h, k, groups])
     hidden = jnp.asarray(rng.standard_normal((r, h)), dtype)
     head, scale = int8_rows(rng, v, h)
@@ -180,11 +187,35 @@ def test_int8_head_matches_float64_reference_of_the_scaled_rows(r, v, h, k, dtyp
     values, ids = head_top_k(hidden, head, k, head_scale=scale, noise=noise, interpret=True, **blocks)
 
     scaled = np.asarray(head, np.float64) * np.asarray(scale, np.float64)[:, None]
-    want_values, want_ids = reference(as_f64(hidden), scaled, k, None if noise is None else np.asarray(noise))
+    represented = as_parts_represent(hidden)
+    want_values, want_ids = reference(represented, scaled, k, None if noise is None else np.asarray(noise))
     np.testing.assert_allclose(np.asarray(values), want_values, rtol=1e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
-    _, unscaled_ids = reference(as_f64(hidden), np.asarray(head, np.float64), k)
+    _, unscaled_ids = reference(represented, np.asarray(head, np.float64), k)
     assert (unscaled_ids != want_ids).any()  # the scale changes the ranking: the test can tell
+    exact_values, _ = reference(as_f64(hidden), scaled, k, None if noise is None else np.asarray(noise))
+    np.testing.assert_allclose(want_values, exact_values, atol=1e-3)  # the parts' rounding is small
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_int8_parts_hold_each_row_to_its_bound(dtype):
+    """scale * (high + low / LOW_STEPS) is within scale / (2 * LOW_STEPS) of every entry (a row of
+    one outlier, a row of zeros, ordinary rows); the high part alone is not."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((5, 4096)) * np.array([[1.0], [30.0], [1e-3], [0.0], [1.0]])
+    rows[4, 7] = 500.0  # a massive activation
+    hidden = jnp.asarray(rows, dtype)
+    high, low, scale = int8_parts(hidden)
+
+    assert high.dtype == low.dtype == jnp.int8 and scale.dtype == jnp.float32
+    x = as_f64(hidden)
+    # the bound, and float32's rounding of x / scale (up to 127 units at 2^-23): under 1 % of it
+    bound = np.asarray(scale, np.float64)[:, None] / (2 * LOW_STEPS) * 1.01
+    assert np.all(np.abs(as_parts_represent(hidden) - x) <= bound)
+    np.testing.assert_array_equal(np.asarray(scale)[3], 1.0)
+    np.testing.assert_array_equal(np.asarray(high)[3], 0)
+    high_alone = np.asarray(scale, np.float64)[:, None] * np.asarray(high, np.float64)
+    assert np.any(np.abs(high_alone - x) > bound)
 
 
 def bad_inputs():
@@ -207,6 +238,9 @@ def bad_inputs():
     yield "int8 head, no scale", (hidden, int8, 4), {}, "float dtype"
     yield "scale, float head", (hidden, head, 4), {"head_scale": jnp.ones((100,))}, "goes with an int8 head"
     yield "scale of another V", (hidden, int8, 4), {"head_scale": jnp.ones((99,))}, "goes with an int8 head"
+    yield "int8 chunk", (hidden, int8, 4), {"head_scale": jnp.ones((100,)), "block_h": 16}, "at least 32"
+    odd = jnp.zeros((2, 48), jnp.bfloat16), jnp.zeros((100, 48), jnp.int8)
+    yield "int8 head, H = 48", (*odd, 4), {"head_scale": jnp.ones((100,))}, "H must be a multiple of 32"
 
 
 @pytest.mark.parametrize("name,args,kwargs,match", list(bad_inputs()), ids=[c[0] for c in bad_inputs()])

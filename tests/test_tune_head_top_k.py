@@ -1,17 +1,17 @@
-"""benchmarks.tune_head_top_k runs each setting over the int8 head (the kernel interpreted on a CPU)."""
+"""benchmarks.tune_head_top_k runs each setting over the head in each format (the kernel interpreted on a CPU)."""
 
 import pytest
 
 from benchmarks import bench_draft_top_k, tune_head_top_k
 
 
-def test_every_setting_is_timed_over_the_int8_head(monkeypatch, capsys):
+def test_every_setting_is_timed_over_the_head_in_each_format(monkeypatch, capsys):
     monkeypatch.setattr(bench_draft_top_k, "ITERATIONS", 1)
     monkeypatch.setattr(tune_head_top_k, "SETTINGS", [(256, None, 3, None), (128, 4, 3, 32)])
 
-    results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "1"])
+    results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "1", "--formats", "int8,bf16"])
 
-    assert [r[2] for r in results] == ["bf16 default", "int8", "int8"]
+    assert [r[2:4] for r in results] == [("int8", 256), ("int8", 128), ("bf16", 256), ("bf16", 128)]
     assert all(isinstance(r[-1], float) and r[-1] > 0 for r in results)
     assert "300 1 int8 128 4 3 32" in capsys.readouterr().out
 
@@ -21,7 +21,7 @@ def test_settings_and_k_from_the_command_line(monkeypatch, capsys):
 
     results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "2", "--k", "3", "--settings", "128:-:2:32"])
 
-    assert [r[2:7] for r in results[1:]] == [("int8", 128, None, 2, 32)]
+    assert [r[2:7] for r in results] == [("int8", 128, None, 2, 32)]
     assert "300 2 int8 128 None 2 32" in capsys.readouterr().out
 
 
@@ -30,3 +30,5 @@ def test_a_malformed_setting_names_the_form(monkeypatch):
         tune_head_top_k.main(["--settings", "128:4:3"])
     with pytest.raises(SystemExit, match="neither a whole number"):
         tune_head_top_k.main(["--settings", "128:four:3:-"])
+    with pytest.raises(SystemExit, match="other than int8 and bf16"):
+        tune_head_top_k.main(["--formats", "int4"])
