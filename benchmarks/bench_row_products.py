@@ -12,7 +12,9 @@ nothing is skipped. The streamer's knobs are swept as tile_n:splits:stages at th
 count; the best one is then timed at every row count. Ratios are to the weights' bytes (and the
 matrix work) at the rates `floors.measure_rates` measures in the same process. --int8 also times
 each product over int8 copies of the same matrices with a float32 scale a row (a draft's block,
-int8_rows.py): XLA's product and `fused_linear` with the model's settings for it.
+int8_rows.py): XLA's product, XLA's int8 by int8 product of the rows' two int8 parts
+(`head_top_k.int8_parts`, stacked as one operand of twice the rows, so the weight is read once) and
+`fused_linear` with the model's settings for it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from longspec_jax.int8_rows import quantized_rows
 from longspec_jax.model_shapes import MODEL_SHAPES
 from pallas_kernels import row_matmul_mgpu
 from pallas_kernels.fused_linear import fused_linear
+from pallas_kernels.head_top_k import LOW_STEPS, int8_parts
 
 DEFAULT_CONFIGS = "128:1:4,128:1:8,64:1:8,64:2:8,128:2:8,128:4:8,256:4:4,256:8:4"
 
@@ -93,6 +96,17 @@ def xla_int8_product(x, w):
     return (y * scale).astype(x.dtype)
 
 
+def xla_parts_int8_product(x, w):
+    """x's two int8 parts (`int8_parts`) by the int8 rows in one int8 product (int32 sums), then
+    high + low / LOW_STEPS times the row's and the column's scales."""
+    rows, scale = w
+    high, low, row_scale = int8_parts(x)
+    y = jax.lax.dot_general(
+        jnp.stack([high, low]), rows, (((2,), (1,)), ((), ())), preferred_element_type=jnp.int32
+    ).astype(jnp.float32)
+    return ((y[0] + y[1] * (1.0 / LOW_STEPS)) * row_scale[:, None] * scale).astype(x.dtype)
+
+
 def kernel_int8_product(x, w):
     """`fused_linear` over int8 rows with the model's settings for it (`model.int8_kernel_settings`)."""
     return fused_linear(x, w[0], weight_scale=w[1], **model.int8_kernel_settings(w[0].shape[1]))
@@ -106,13 +120,17 @@ def run_int8(name, product, weights, rows_list, repeats, rates):
     for rows in rows_list:
         floor = rates.seconds(n * k + 4 * n, 2 * rows * n * k)
         xla = time_product(xla_int8_product, int8, rows, repeats)
+        parts = time_product(xla_parts_int8_product, int8, rows, repeats)
         mine = time_product(kernel_int8_product, int8, rows, repeats)
         knobs = model.int8_kernel_settings(k)
         record = dict(shape=name, product=f"{product} int8", n=n, k=k, rows=rows, floor_us=1e6 * floor)
-        records.append(dict(record, xla_us=1e6 * xla, kernel_us=1e6 * mine, kernel_config=knobs))
+        records.append(
+            dict(record, xla_us=1e6 * xla, xla_parts_us=1e6 * parts, kernel_us=1e6 * mine, kernel_config=knobs)
+        )
         print(
             f"{name:<11}{product:<8} rows {rows:>3}, int8: floor {1e6 * floor:7.1f} us | XLA {1e6 * xla:7.1f}"
-            f" ({xla / floor:4.2f}x) | fused_linear {1e6 * mine:7.1f} ({mine / floor:4.2f}x)"
+            f" ({xla / floor:4.2f}x) | XLA, int8 parts {1e6 * parts:7.1f} ({parts / floor:4.2f}x)"
+            f" | fused_linear {1e6 * mine:7.1f} ({mine / floor:4.2f}x)"
         )
     return records
 

@@ -54,13 +54,16 @@ def test_time_product_runs_every_matrix():
 
 
 def test_the_int8_products_equal_the_scaled_rows_and_are_timed():
-    """XLA's product and fused_linear (interpreted here) over the same int8 rows; --int8's records."""
+    """XLA's product, XLA's over the rows' int8 parts and fused_linear (interpreted here) over the same
+    int8 rows; --int8's records."""
     weights = [0.02 * jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(2)]
     rows8, scale = quantized_rows(weights[0])
     x = jax.random.normal(jax.random.key(9), (4, 128), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ (np.asarray(rows8, np.float64) * np.asarray(scale, np.float64)[:, None]).T
-    for product in (bench.xla_int8_product, bench.kernel_int8_product):
+    for product in (bench.xla_int8_product, bench.xla_parts_int8_product, bench.kernel_int8_product):
         got = np.asarray(product(x, (rows8, scale)), np.float64)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     records = bench.run_int8("tiny", "o", weights, [1, 4], 1, floors.Rates(bandwidth=1e12, matmul=1e14))
-    assert [r["rows"] for r in records] == [1, 4] and all(r["xla_us"] > 0 and r["kernel_us"] > 0 for r in records)
+    assert [r["rows"] for r in records] == [1, 4] and all(
+        r["xla_us"] > 0 and r["xla_parts_us"] > 0 and r["kernel_us"] > 0 for r in records
+    )
