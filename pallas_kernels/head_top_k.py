@@ -67,19 +67,29 @@ INT8_MIN_CHUNK = 32
 LOW_STEPS = 254
 
 
+def parts_scale(peak):
+    """The unit of `int8_parts`' high part for rows whose largest |entry| is peak: peak / 127, 1 for
+    a row of zeros."""
+    return jnp.where(peak > 0, peak / 127.0, 1.0)
+
+
+def _parts(x, peak):
+    """float32 rows x [..., H] with their largest |entry| peak [...] -> high, low int8 [..., H]."""
+    units = x / parts_scale(peak)[..., None]
+    high = jnp.clip(jnp.round(units), -127, 127)
+    low = jnp.clip(jnp.round((units - high) * LOW_STEPS), -127, 127)
+    return high.astype(jnp.int8), low.astype(jnp.int8)
+
+
 def int8_parts(hidden):
     """hidden [..., H] (float) -> (high, low int8 [..., H], scale float32 [...]) with
-    hidden ~ scale * (high + low / LOW_STEPS): scale = max |row| / 127 (1 for a row of zeros),
+    hidden ~ scale * (high + low / LOW_STEPS): scale = `parts_scale` of the row's largest |entry|,
     high = round(hidden / scale), low the rest in steps of 1 / LOW_STEPS. The error is at most
     scale / (2 * LOW_STEPS), 2^-16 of the row's largest entry: as fine as bfloat16 at entries 2^8
     times smaller than it, finer above."""
     x = hidden.astype(jnp.float32)
     peak = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(peak > 0, peak / 127.0, 1.0)
-    units = x / scale[..., None]
-    high = jnp.clip(jnp.round(units), -127, 127)
-    low = jnp.clip(jnp.round((units - high) * LOW_STEPS), -127, 127)
-    return high.astype(jnp.int8), low.astype(jnp.int8), scale
+    return *_parts(x, peak), parts_scale(peak)
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -124,12 +134,13 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
 
 def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
     """hidden [G, W, H] (scaled: its int8 parts high, low [G, W, H]), head [V, H], (scaled)
-    head_scale [V] and the parts' scale [G, W], (noisy) noise [G, V], all whole; writes this
+    head_scale [V] and the rows' largest |entry| [G, W] (their parts' `parts_scale`), (noisy) noise
+    [G, V], all whole; writes this
     program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
     refs = list(refs)
     hidden_refs = [refs.pop(0) for _ in range(2 if scaled else 1)]
     head_ref = refs.pop(0)
-    scale_ref, row_scale_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+    scale_ref, peak_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
     noise_ref = refs.pop(0) if noisy else None
     values_ref, ids_ref, max_ref, sum_ref = refs
     _, num_rows, dim = hidden_refs[0].shape
@@ -155,7 +166,7 @@ def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
         zeros = jnp.zeros((block_vocab, block_rows), jnp.int32)
         high, low = lax.fori_loop(0, dim // chunk, accumulate, (zeros, zeros))
         logits = high.astype(jnp.float32) + low.astype(jnp.float32) * (1.0 / LOW_STEPS)
-        row_scale = plgpu.load(row_scale_ref.at[rows], mask=row_ok, other=0.0)
+        row_scale = parts_scale(plgpu.load(peak_ref.at[rows], mask=row_ok, other=0.0))
         logits = logits.T * row_scale[:, None] * plgpu.load(scale_ref.at[tokens], mask=token_ok, other=0.0)[None, :]
     else:
         zeros = jnp.zeros((block_rows, block_vocab), jnp.float32)
@@ -223,8 +234,11 @@ def _head_top_k(
     if head_scale is None:
         inputs = (hidden.reshape(groups, per_group, dim), head)
     else:
-        high, low, row_scale = int8_parts(hidden.reshape(groups, per_group, dim))
-        inputs = (high, low, head, head_scale.astype(jnp.float32), row_scale)
+        # the kernel takes each row's peak and derives the scale itself: XLA then runs the parts as
+        # two kernels (the peak, the parts), not three (a third for a scale both would read)
+        x = hidden.reshape(groups, per_group, dim).astype(jnp.float32)
+        peak = jnp.max(jnp.abs(x), axis=-1)
+        inputs = (*_parts(x, peak), head, head_scale.astype(jnp.float32), peak)
     inputs += () if noise is None else (noise.astype(jnp.float32),)
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
