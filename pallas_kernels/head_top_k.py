@@ -135,8 +135,7 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
 def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
     """hidden [G, W, H] (scaled: its int8 parts high, low [G, W, H]), head [V, H], (scaled)
     head_scale [V] and the rows' largest |entry| [G, W] (their parts' `parts_scale`), (noisy) noise
-    [G, V], all whole; writes this
-    program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
+    [G, V], all whole; writes this program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
     refs = list(refs)
     hidden_refs = [refs.pop(0) for _ in range(2 if scaled else 1)]
     head_ref = refs.pop(0)
@@ -317,14 +316,15 @@ def head_top_k(
 ):
     """hidden [R, H] (any float dtype, typically bfloat16), head [V, H] (same dtype; the LM head /
     tied embedding, rows = tokens), or int8 with head_scale float32[V] (row v is head[v] *
-    head_scale[v]).
+    head_scale[v]; hidden then enters as its `int8_parts`, H a multiple of 32).
 
     Returns (log_probs float32[R, k], ids int32[R, k]): the k largest entries of
     log_softmax(hidden @ head.T) per row, in descending order, ties to the lower token id (as
     jax.lax.top_k), computed with float32 accumulation. k is static. noise (optional, float32
     [G, V], G dividing R): row r's entries are ranked with noise[r // (R / G)] added, and come out
     as log-prob + noise (module doc). Block sizes (powers of two, block_rows >= 16; block_h, the
-    features of H a step of the loop over H loads, >= 16 and dividing H: by default `head_chunk`'s)
+    features of H a step of the loop over H loads, >= 16 (32 over an int8 head) and dividing H: by
+    default `head_chunk`'s)
     and Triton's num_warps / num_stages default to choices for the H200.
     """
     _check(hidden, head, k, noise, head_scale)
