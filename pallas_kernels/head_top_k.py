@@ -73,12 +73,15 @@ def parts_scale(peak):
     return jnp.where(peak > 0, peak / 127.0, 1.0)
 
 
-def _parts(x, peak):
-    """float32 rows x [..., H] with their largest |entry| peak [...] -> high, low int8 [..., H]."""
+def _parts_and_peak(hidden):
+    """hidden [..., H] -> (high, low int8 [..., H], peak float32 [...]): `int8_parts` with each
+    row's largest |entry| in place of its scale."""
+    x = hidden.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(x), axis=-1)
     units = x / parts_scale(peak)[..., None]
     high = jnp.clip(jnp.round(units), -127, 127)
     low = jnp.clip(jnp.round((units - high) * LOW_STEPS), -127, 127)
-    return high.astype(jnp.int8), low.astype(jnp.int8)
+    return high.astype(jnp.int8), low.astype(jnp.int8), peak
 
 
 def int8_parts(hidden):
@@ -87,9 +90,8 @@ def int8_parts(hidden):
     high = round(hidden / scale), low the rest in steps of 1 / LOW_STEPS. The error is at most
     scale / (2 * LOW_STEPS), 2^-16 of the row's largest entry: as fine as bfloat16 at entries 2^8
     times smaller than it, finer above."""
-    x = hidden.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(x), axis=-1)
-    return *_parts(x, peak), parts_scale(peak)
+    high, low, peak = _parts_and_peak(hidden)
+    return high, low, parts_scale(peak)
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -235,9 +237,8 @@ def _head_top_k(
     else:
         # the kernel takes each row's peak and derives the scale itself: XLA then runs the parts as
         # two kernels (the peak, the parts), not three (a third for a scale both would read)
-        x = hidden.reshape(groups, per_group, dim).astype(jnp.float32)
-        peak = jnp.max(jnp.abs(x), axis=-1)
-        inputs = (*_parts(x, peak), head, head_scale.astype(jnp.float32), peak)
+        high, low, peak = _parts_and_peak(hidden.reshape(groups, per_group, dim))
+        inputs = (high, low, head, head_scale.astype(jnp.float32), peak)
     inputs += () if noise is None else (noise.astype(jnp.float32),)
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
@@ -324,8 +325,7 @@ def head_top_k(
     [G, V], G dividing R): row r's entries are ranked with noise[r // (R / G)] added, and come out
     as log-prob + noise (module doc). Block sizes (powers of two, block_rows >= 16; block_h, the
     features of H a step of the loop over H loads, >= 16 (32 over an int8 head) and dividing H: by
-    default `head_chunk`'s)
-    and Triton's num_warps / num_stages default to choices for the H200.
+    default `head_chunk`'s) and Triton's num_warps / num_stages default to choices for the H200.
     """
     _check(hidden, head, k, noise, head_scale)
     per_group = hidden.shape[0] // (1 if noise is None else noise.shape[0])
