@@ -7,9 +7,9 @@ Activations run in the parameter dtype; RMSNorm statistics, softmax and logits i
 Attention math lives in `attention.py`; this file only projects, rotates and stores K/V.
 
 `Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
-each, stored `[out, in]` (what a one-row product reads in one kernel; for a GPU, products of 2-3
-rows are written as a multiply and a float32 sum, which XLA keeps as one reduction kernel instead
-of a GEMM: `SMALL_ROWS`; on a Hopper GPU a verified block's narrow 7B products stream their weight
+each, stored `[out, in]` (for a GPU, products of 1-3 rows are written as a multiply and a float32
+sum over each weight row's contiguous memory, which XLA keeps as one reduction kernel instead of a
+GEMM and the reduction of its split-K partials: `SMALL_ROWS`; on a Hopper GPU a verified block's narrow 7B products stream their weight
 through a Mosaic GPU kernel instead: `streamed_products`), and every forward computes
 RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
 not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
@@ -54,8 +54,11 @@ INIT_STD = 0.02
 # Row counts (tokens x batch) whose packed products run as multiply-reduce on a GPU: on the H200 a
 # 30-layer chain of SmolLM2's products took 0.426 ms at 2 rows against 0.630 as GEMMs (one row:
 # 0.398); at 4 rows the two tie and from 8 rows on the GEMMs win (BENCHMARKS.md, products by row
-# count). On a CPU the reduction is twice as slow as the dot at any row count, so it is GPU-only.
-SMALL_ROWS = (2, 3)
+# count). At one row XLA already reduced SmolLM2's products so; a 7B's it ran as a split-K GEMM and
+# a kernel summing the partials, three a layer, which the reduction spares: the AR step 3.7-5.7 %
+# faster on an H100 (BENCHMARKS.md, "One-row products as reductions"). On a CPU the reduction is
+# twice as slow as the dot at any row count, so it is GPU-only.
+SMALL_ROWS = (1, 2, 3)
 # A product with a folded norm (`PackedLinear`) scales its float32 output rows instead of its input
 # from SCALE_AFTER_ROWS rows on, where its input has at most SCALE_AFTER_MAX_WIDTH features. There,
 # a verified block's q|k|v and gate|up products are split-K GEMMs whose reduction kernel takes the
@@ -196,9 +199,9 @@ class Linear(nnx.Module):
 class PackedLinear(nnx.Module):
     """One or several `Linear`s of the same input as one matmul, for inference: weight
     [sum of outs, in], the transposed ("out, in") layout. A one-row product against it reduces over
-    each weight row's contiguous memory, which XLA fuses into one kernel on the GPU; against the
-    training layout [in, out] it wrote and re-read a weight-sized temporary (BENCHMARKS.md,
-    one-token matrix-vector products). `parts(x)` returns each Linear's output, in order.
+    each weight row's contiguous memory in one kernel on the GPU; against the training layout
+    [in, out] it wrote and re-read a weight-sized temporary (BENCHMARKS.md, one-token
+    matrix-vector products). `parts(x)` returns each Linear's output, in order.
     small_rows: the row counts (all dimensions of x but the last, multiplied) whose product is
     written as an elementwise product and a float32 sum over the input (`SMALL_ROWS` on a GPU).
 

@@ -1,4 +1,4 @@
-"""Products of 2-3 rows written as multiply-reduce (`PackedLinear.small_rows`, the GPU's inference
+"""Products of 1-3 rows written as multiply-reduce (`PackedLinear.small_rows`, the GPU's inference
 layout): the same values as the dot, against a float64 reference; only those row counts take that
 path; and a model in that layout decodes exactly as the plain layout does (float32, greedy). A norm
 folded into the products gives norm-then-product, whichever side its scale is applied on."""
