@@ -148,7 +148,7 @@ def main(argv=None) -> dict[str, int]:
         "(default: none in longspec, auto's own default beside its greedy trees; 0: none)",
     )
     parser.add_argument(
-        "--no-small-rows", action="store_true", help="products of 1-3 rows as dots, as XLA chooses (the layout before SMALL_ROWS)"
+        "--no-small-rows", action="store_true", help="products of 1-3 rows as dots (the layout before SMALL_ROWS)"
     )
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
     parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")

@@ -9,17 +9,19 @@ Attention math lives in `attention.py`; this file only projects, rotates and sto
 `Transformer.inference_layout()` packs each layer's q/k/v and gate/up projections into one matrix
 each, stored `[out, in]` (for a GPU, products of 1-3 rows are written as a multiply and a float32
 sum over each weight row's contiguous memory, which XLA keeps as one reduction kernel instead of a
-GEMM and the reduction of its split-K partials: `SMALL_ROWS`; on a Hopper GPU a verified block's narrow 7B products stream their weight
-through a Mosaic GPU kernel instead: `streamed_products`), and every forward computes
-RoPE's cos/sin once for all layers: a small model's decode step costs about one launch per kernel,
-not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode faster.
+GEMM and the reduction of its split-K partials: `SMALL_ROWS`; on a Hopper GPU a verified block's
+narrow 7B products stream their weight through a Mosaic GPU kernel instead: `streamed_products`),
+and every forward computes RoPE's cos/sin once for all layers: a small model's decode step costs
+about one launch per kernel, not its bytes (docs/GPU_NOTES.md), so fewer, larger kernels decode
+faster.
 A one-token `forward_block` (AR decoding) writes its K/V row and attends the cache in one call
 (with the Pallas kernels, one kernel and its combine: no cache-write kernels). A larger block (tree
 verification) attends the cache rows before it plus its own K/V; `commit` then keeps only the
 accepted rows. With the Pallas kernels the block goes the AR step's way: one kernel per layer
 rotates, attends and writes the block's K/V past the cache end (no slice or rotation kernels), and
 `commit` moves the accepted rows down within the cache in one kernel; in the one-token step of one
-sequence each residual add and the norm after it are one kernel (`residual_norm`). With
+sequence, and in a verified block whose products stream their weight, each residual add and the
+norm after it are one kernel (`residual_norm`). With
 `fused_projections` set, each layer's projections (of a block and of the one-token step) run as
 fused Pallas kernels too (`fused_linear`: the norms in the q|k|v and gate|up products' prologues,
 SwiGLU in the down product's, the residual adds in their epilogues). Otherwise (not "pallas") the
@@ -263,6 +265,26 @@ class PackedLinear(nnx.Module):
             y = (y * scale).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
+    def streams(self, rows: int, dtype) -> bool:
+        """Whether `split_product` of `rows` rows of `dtype` gives the weight streamer's partials: a
+        streamed product with no folded norm, bias or int8 rows."""
+        if self.eps is not None or self.bias is not None or self.weight_scale is not None or rows in self.small_rows:
+            return False
+        w = self.weight[...]
+        return self._streamed(rows, jax.ShapeDtypeStruct((rows, w.shape[1]), dtype), w) is not None
+
+    def split_product(self, x: jax.Array) -> tuple[jax.Array, bool]:
+        """This product of x [..., K] for a consumer that sums a split product itself
+        (`residual_norm(..., partials=True)`): (the streamer's output [S, 64, N] as it is, True) where
+        `streams`, else (the product, False). The sum of the partials, which XLA would run as a kernel
+        of its own before a Pallas consumer, then happens in that consumer."""
+        rows = math.prod(x.shape[:-1])
+        if not self.streams(rows, x.dtype):
+            return self(x), False
+        w = self.weight[...]
+        knobs = self._streamed(rows, x, w)
+        return row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, partials=True, **knobs), True
+
     def to_int8(self) -> None:
         """Stores this product's weight as int8 rows and a float32 scale a row (`int8_rows`), in place."""
         if self.weight_scale is None:
@@ -386,6 +408,11 @@ class PackedMLP(nnx.Module):
         gate, up = self.gate_up_proj.parts(x, normed)
         return self.down_proj(jax.nn.silu(gate) * up)
 
+    def split_product(self, x, normed=None) -> tuple[jax.Array, bool]:
+        """This MLP's output as the down product's `PackedLinear.split_product`."""
+        gate, up = self.gate_up_proj.parts(x, normed)
+        return self.down_proj.split_product(jax.nn.silu(gate) * up)
+
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block, split at the attention so callers choose how q/k/v meet the cache."""
@@ -420,8 +447,22 @@ class DecoderLayer(nnx.Module):
         under an RMSNorm of eps, without a weight (the next layer's input norm, whose weight is in
         its q|k|v matrix) or with `weight` (the final norm's)."""
         b, t = x.shape[:2]
-        x, normed = residual_norm(x, self.self_attn.o_proj(attn_out.reshape(b, t, -1)), self.mlp.gate_up_proj.eps)
-        return residual_norm(x, self.mlp(x, normed), eps, weight=weight)
+        delta, partials = self.self_attn.o_proj.split_product(attn_out.reshape(b, t, -1))
+        x, normed = residual_norm(x, delta, self.mlp.gate_up_proj.eps, partials=partials)
+        delta, partials = self.mlp.split_product(x, normed)
+        return residual_norm(x, delta, eps, weight=weight, partials=partials)
+
+    def streams_residuals(self, rows: int, dtype) -> bool:
+        """Whether both products before a residual add (o and down) stream their weight at `rows`
+        rows (`PackedLinear.streams`; packed layout) and the norms after them scale the next
+        products' input (`norms_first`, as at a 7B's width): `finish_with_norm` then sums their
+        partials in its norm kernels."""
+        return (
+            self.packed
+            and norms_first(rows, self.mlp.gate_up_proj.weight.shape[1])
+            and self.self_attn.o_proj.streams(rows, dtype)
+            and self.mlp.down_proj.streams(rows, dtype)
+        )
 
     @property
     def packed(self) -> bool:
@@ -474,7 +515,10 @@ class Transformer(nnx.Module):
         # add, sum of squares and scaling. More rows get fewer kernels from XLA itself: a verified
         # block's norm fusion also sums the product's split-K partials, and compiled for the H200,
         # SmolLM2's AR step at batch 2 / 4 / 8 is 197 / 298 / 343 kernels with XLA's norms against
-        # 254 / 315 / 375 with these (BENCHMARKS.md, "The one-token step's residual adds").
+        # 254 / 315 / 375 with these (BENCHMARKS.md, "The one-token step's residual adds"). A
+        # verified block whose o and down products stream their weight (7B layers on Hopper) takes
+        # them too: the kernel sums the streamer's partials, which XLA summed in an add kernel of
+        # its own before the norm after the down product (BENCHMARKS.md, "The streamer's partials").
         self.norm_kernels = True
 
     def _rope(self, positions: jax.Array) -> Rope:
@@ -576,13 +620,16 @@ class Transformer(nnx.Module):
         block_in_cache = not one_row and impl == "pallas"
         cache_k, cache_v, block_k, block_v = [], [], [], []
         fused = self.fused_projections and impl == "pallas" and (block_in_cache or one_token)
+        rows = tokens.shape[0] * tokens.shape[1]
         norm_kernels = (
             self.norm_kernels
             and impl == "pallas"
-            and one_token
-            and tokens.shape == (1, 1)
             and not fused
             and all(layer.packed for layer in self.layers)
+            and (
+                (one_token and rows == 1)
+                or (block_in_cache and all(layer.streams_residuals(rows, self.dtype) for layer in self.layers))
+            )
         )
         normed = None  # x under the next norm (the final one with its weight) where a residual_norm kernel made it
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v)):

@@ -83,8 +83,8 @@ def _kernel(x_ref, w_ref, o_ref, *, tile_n, splits, stages):
     pl.run_scoped(store, plgpu.SMEM((ROWS, tile_n), o_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "splits", "stages", "interpret"))
-def _row_matmul(x, w, *, out_dtype, tile_n, splits, stages, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_n", "splits", "stages", "partials", "interpret"))
+def _row_matmul(x, w, *, out_dtype, tile_n, splits, stages, partials, interpret):
     m = x.shape[0]
     n = w.shape[0]
     rows = jnp.pad(x, ((0, ROWS - m), (0, 0)))
@@ -96,13 +96,18 @@ def _row_matmul(x, w, *, out_dtype, tile_n, splits, stages, interpret):
         grid_names=("cols", "split"),
         interpret=interpret,
     )(rows, w)
+    if partials:
+        return parts
     return parts.sum(axis=0, dtype=jnp.float32).astype(out_dtype)[:m] if splits > 1 else parts[0, :m]
 
 
-def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, interpret=False):
+def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, partials=False, interpret=False):
     """x [M, K] @ w[N, K]^T -> [M, N] in out_dtype (default x.dtype), float32 accumulation.
     M <= 64, 16-bit operands, K a multiple of 64 * splits, N a multiple of tile_n (a multiple of 8,
-    at most 256). interpret: False, or plgpu.InterpretGPUParams() to run on the CPU."""
+    at most 256). partials: return the kernel's output as it is, [splits, 64, N] (float32 partial
+    sums over the slices of K, or the product in out_dtype when splits is 1; rows past M hold the
+    padding's products), for a consumer that sums them itself. interpret: False, or
+    plgpu.InterpretGPUParams() to run on the CPU."""
     if not supports(x, w):
         raise ValueError(
             f"row_matmul: needs x [M <= {ROWS}, K] and w [N, K] of one 16-bit dtype, K a multiple of {TILE_K}; "
@@ -120,4 +125,6 @@ def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, interpre
             f"more than the {SMEM_BYTES} a block has: fewer stages or narrower tiles"
         )
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    return _row_matmul(x, w, out_dtype=out_dtype, tile_n=tile_n, splits=splits, stages=stages, interpret=interpret)
+    return _row_matmul(
+        x, w, out_dtype=out_dtype, tile_n=tile_n, splits=splits, stages=stages, partials=partials, interpret=interpret
+    )

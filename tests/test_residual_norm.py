@@ -69,6 +69,34 @@ def test_a_weight_scales_the_normed_rows(dtype, tol):
         np.testing.assert_allclose(n, norm(h), rtol=1e-6, atol=1e-6)
 
 
+def _rounded_sum(partials, rows, dtype):
+    """A split product's partials [S, R, H] summed in float64 over their first `rows` rows, rounded
+    to `dtype` as the product's output is."""
+    total = np.asarray(partials, np.float64).sum(axis=0)[:rows]
+    return np.asarray(jnp.asarray(total.astype(np.float32)).astype(dtype))
+
+
+# The weight streamer's output: two float32 slices of K over 64 padded rows, or one slice already in
+# the rows' dtype; x's rows (5, a verify's 20) fewer than the partials' (the rest must not be read).
+@pytest.mark.parametrize("splits,partial_dtype", [(1, jnp.bfloat16), (2, jnp.float32), (3, jnp.float32)])
+@pytest.mark.parametrize("x_shape", [(1, 5, 576), (1, 20, 4096)])
+def test_partials_are_summed_and_rounded_as_the_products_output(splits, partial_dtype, x_shape):
+    rng = np.random.default_rng(splits + x_shape[1])
+    x = jnp.asarray(rng.normal(size=x_shape) * 3, jnp.bfloat16)
+    partials = jnp.asarray(rng.normal(size=(splits, 64, x_shape[-1])), partial_dtype)
+    partials = partials.at[:, x_shape[1] :].set(1e4)  # rows past x's: read, they would show
+    h, n = residual_norm(x, partials, EPS, partials=True, interpret=True)
+    delta = _rounded_sum(partials, x_shape[1], jnp.bfloat16).reshape(x_shape)
+    want_h, want_n = reference(x, jnp.asarray(delta), EPS)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
+    np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=1e-2, atol=1e-2)
+    weight = jnp.asarray(rng.uniform(0.5, 2.0, size=x_shape[-1]), jnp.bfloat16)
+    _, weighted = residual_norm(x, partials, EPS, partials=True, weight=weight, interpret=True)
+    np.testing.assert_allclose(
+        np.asarray(weighted, np.float64), want_n * np.asarray(weight, np.float64), rtol=2e-2, atol=2e-2
+    )
+
+
 def test_zero_row_gives_zeros_not_nan():
     x = jnp.zeros((1, 576), jnp.bfloat16)
     h, n = residual_norm(x, x, EPS, interpret=True)
@@ -82,6 +110,10 @@ def test_bad_shapes_name_the_fix():
         residual_norm(jnp.zeros((1, 2 * MAX_WIDTH)), jnp.zeros((1, 2 * MAX_WIDTH)), EPS)
     with pytest.raises(ValueError, match=r"weight must be \[H\] = \(8,\)"):
         residual_norm(jnp.zeros((1, 8)), jnp.zeros((1, 8)), EPS, weight=jnp.ones((16,)))
+    with pytest.raises(ValueError, match=r"partials must be \[S, R >= 5, H = 8\]"):
+        residual_norm(jnp.zeros((1, 5, 8)), jnp.zeros((2, 4, 8)), EPS, partials=True)  # too few rows
+    with pytest.raises(ValueError, match=r"partials must be \[S, R >= 5, H = 8\]"):
+        residual_norm(jnp.zeros((1, 5, 8)), jnp.zeros((2, 64, 16)), EPS, partials=True)  # another width
 
 
 @pytest.mark.gpu
@@ -99,3 +131,16 @@ def test_gpu_compiled_kernel_matches_reference(shape):
     np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=1e-2, atol=1e-2)
     want_weighted = want_n * np.asarray(weight, np.float64)
     np.testing.assert_allclose(np.asarray(weighted, np.float64), want_weighted, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
+def test_gpu_compiled_kernel_sums_a_streamed_products_partials():
+    """A 7B verify's 20 rows after its down product: the streamer's two float32 slices over 64 rows."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(1, 20, 4096)) * 3, jnp.bfloat16)
+    partials = jnp.asarray(rng.normal(size=(2, 64, 4096)), jnp.float32).at[:, 20:].set(1e4)
+    h, n = jax.jit(lambda x, p: residual_norm(x, p, EPS, partials=True, interpret=False))(x, partials)
+    want_h, want_n = reference(x, jnp.asarray(_rounded_sum(partials, 20, jnp.bfloat16).reshape(x.shape)), EPS)
+    np.testing.assert_array_equal(np.asarray(h, np.float64), want_h)
+    np.testing.assert_allclose(np.asarray(n, np.float64), want_n, rtol=1e-2, atol=1e-2)

@@ -101,3 +101,50 @@ def test_compiled_streamed_product_equals_float64():
     expected = np.asarray(x, np.float64) @ np.asarray(linear.weight[...], np.float64).T
     y = jax.jit(linear)(x)
     np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+
+
+def test_a_verify_sums_the_streamed_partials_in_its_norm_kernels(monkeypatch):
+    """A verified block whose o and down products stream (forced as above: a GPU of four
+    multiprocessors, no weight too small, the streamer interpreted) runs each residual add and the
+    norm after it as one `residual_norm` kernel that takes the streamer's partials (two a layer),
+    and gives the logits and block K/V of XLA's adds and norms over the same streamed products."""
+    from longspec_jax import model as model_module
+    from longspec_jax.model import init_cache
+    from longspec_jax.target import random_target
+    from tests.tiny_models import tiny_config
+
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
+    monkeypatch.setattr(flash_block, "NUM_SMS", 4)
+    monkeypatch.setattr(streamed_products, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(model_module, "SCALE_AFTER_MAX_WIDTH", 64)  # norms scale inputs, as at a 7B's width
+    interpreted = functools.partial(row_matmul_mgpu.row_matmul, interpret=plgpu.InterpretGPUParams())
+    monkeypatch.setattr(row_matmul_mgpu, "row_matmul", interpreted)
+    # o: 128 x 256 and down: 128 x 256 stream in two slices; q|k|v and gate|up (512 columns) are wide
+    config = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=64)
+    model = random_target(config, seed=5, dtype="bfloat16").model.inference_layout()
+    rng = np.random.default_rng(5)
+    model.norm.weight[...] = jnp.asarray(rng.uniform(0.5, 2.0, size=config.hidden_size), jnp.bfloat16)
+    t, prefix = 20, 7  # a verify's rows: the streamer takes 17-64
+    assert all(layer.streams_residuals(t, jnp.bfloat16) for layer in model.layers)
+    cache = init_cache(config, 1, 32, jnp.bfloat16)
+    cache = model.prefill(jnp.asarray(rng.integers(0, 128, (1, prefix)), jnp.int32), jnp.asarray([prefix]), cache)[1]
+    tokens = jnp.asarray(rng.integers(0, 128, (1, t)), jnp.int32)
+    positions = jnp.asarray(prefix + np.arange(t)[None], jnp.int32)
+    mask = jnp.asarray(np.tril(np.ones((1, t, t), bool)))
+
+    calls, kernel = [], model_module.residual_norm
+    monkeypatch.setattr(
+        model_module, "residual_norm", lambda *a, **kw: calls.append(kw["partials"]) or kernel(*a, **kw)
+    )
+    outputs = {}
+    with jax.default_device(jax.devices("cpu")[0]):
+        for norm_kernels in (True, False):
+            model.norm_kernels = norm_kernels
+            calls.clear()
+            logits, verified, _ = model.forward_block(tokens, positions, mask, cache, attn_impl="pallas")
+            outputs[norm_kernels] = (np.asarray(logits), verified)
+            assert calls == ([True] * 2 * config.num_layers if norm_kernels else [])
+    (logits, verified), (logits_x, verified_x) = outputs[True], outputs[False]
+    np.testing.assert_allclose(logits, logits_x, rtol=3e-2, atol=3e-2 * np.abs(logits_x).max())
+    for got, want in zip(verified.k + verified.v, verified_x.k + verified_x.v):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)

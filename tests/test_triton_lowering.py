@@ -211,3 +211,11 @@ def test_residual_norm_lowers_to_a_valid_triton_module(lowered_modules, rows, wi
     x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
     lower_for_cuda(lambda x, d: residual_norm(x, d, 1e-5, interpret=False), x, x)
     assert_valid_modules(lowered_modules, {"residual_norm"})
+
+
+def test_residual_norm_over_a_split_products_partials_lowers(lowered_modules):
+    """A 7B verify's 20 rows after a streamed product: two float32 slices over 64 padded rows."""
+    x = jax.ShapeDtypeStruct((1, 20, 4096), jnp.bfloat16)
+    partials = jax.ShapeDtypeStruct((2, 64, 4096), jnp.float32)
+    lower_for_cuda(lambda x, p: residual_norm(x, p, 1e-5, partials=True, interpret=False), x, partials)
+    assert_valid_modules(lowered_modules, {"residual_norm"})
