@@ -2,7 +2,7 @@
 streamer (`pallas_kernels.row_matmul_mgpu`), each beside the bytes floor of the same process.
 
     python -m benchmarks.bench_row_products [--shapes llama31_8b,vicuna7b] [--rows 1,16,64]
-        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--int8] [--json OUT]
+        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--int8] [--reduction] [--json OUT]
 
 Each product (q|k|v, o, gate|up, down, in the inference layout [N, K]) runs over `--layers`
 distinct weight matrices, one after the other, inside a device loop of `--repeats` passes: a real
@@ -14,7 +14,11 @@ matrix work) at the rates `floors.measure_rates` measures in the same process. -
 each product over int8 copies of the same matrices with a float32 scale a row (a draft's block,
 int8_rows.py): XLA's product, XLA's int8 by int8 product of the rows' two int8 parts
 (`head_top_k.int8_parts`, stacked as one operand of twice the rows, so the weight is read once) and
-`fused_linear` with the model's settings for it.
+`fused_linear` with the model's settings for it. --reduction also times each product as
+`PackedLinear` writes its `SMALL_ROWS` (a multiply and a float32 sum over each weight row, one
+reduction kernel) beside XLA's product, each with its output written out as the model's next
+kernel reads it (here the loop's sum could otherwise absorb the product's last step): whether a
+row count belongs in `SMALL_ROWS` at a shape.
 """
 
 from __future__ import annotations
@@ -53,6 +57,36 @@ def product_shapes(name: str) -> dict[str, tuple[int, int]]:
 
 def xla_product(x, w):
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+
+
+def reduced_product(x, w):
+    """The product as `PackedLinear` writes its small rows: a multiply and a float32 sum over each
+    weight row."""
+    return jnp.sum(x[:, None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+def written_out(product):
+    """`product` with its output written to memory before anything reads it."""
+    return lambda x, w: jax.lax.optimization_barrier(product(x, w))
+
+
+def run_reduction(name, product, weights, rows_list, repeats, rates):
+    """XLA's product and the multiply-reduce one (`reduced_product`), each written out."""
+    n, k = weights[0].shape
+    records = []
+    for rows in rows_list:
+        floor = rates.seconds(n * k * 2, 2 * rows * n * k)
+        xla = time_product(written_out(xla_product), weights, rows, repeats)
+        reduced = time_product(written_out(reduced_product), weights, rows, repeats)
+        records.append(
+            dict(shape=name, product=f"{product} written out", n=n, k=k, rows=rows, floor_us=1e6 * floor,
+                 xla_us=1e6 * xla, reduction_us=1e6 * reduced)
+        )  # fmt: skip
+        print(
+            f"{name:<11}{product:<8} rows {rows:>3}, written out: floor {1e6 * floor:7.1f} us | XLA {1e6 * xla:7.1f}"
+            f" ({xla / floor:4.2f}x) | multiply-reduce {1e6 * reduced:7.1f} ({reduced / floor:4.2f}x)"
+        )
+    return records
 
 
 def streamed(tile_n: int, splits: int, stages: int):
@@ -135,7 +169,7 @@ def run_int8(name, product, weights, rows_list, repeats, rates):
     return records
 
 
-def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8=False):
+def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8=False, reduction=False):
     key = jax.random.fold_in(jax.random.key(0), zlib.crc32(product.encode()))
     weights = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(layers)]
     floor = {rows: rates.seconds(n * k * 2, 2 * rows * n * k) for rows in rows_list}
@@ -173,13 +207,15 @@ def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates,
             f"{name:<11}{product:<8} rows {rows:>3}: floor {1e6 * floor[rows]:7.1f} us | XLA {1e6 * xla:7.1f}"
             f" ({xla / floor[rows]:4.2f}x){streamer}"
         )
+    if reduction:
+        records += run_reduction(name, product, weights, rows_list, repeats, rates)
     return records + (run_int8(name, product, weights, rows_list, repeats, rates) if int8 else [])
 
 
-def run_shape(name, rows_list, layers, repeats, configs, rates, int8=False):
+def run_shape(name, rows_list, layers, repeats, configs, rates, int8=False, reduction=False):
     records = []
     for product, (n, k) in product_shapes(name).items():
-        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8)
+        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8, reduction)
     return records
 
 
@@ -195,6 +231,11 @@ def main(argv=None):
     parser.add_argument(
         "--int8", action="store_true", help="also time each product over int8 rows (a draft's), by XLA and fused_linear"
     )
+    parser.add_argument(
+        "--reduction",
+        action="store_true",
+        help="also time each product as multiply-reduce (SMALL_ROWS' form) beside XLA's, both written out",
+    )
     parser.add_argument("--json", help="write every timing here")
     args = parser.parse_args(argv)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",") if c]  # "": XLA's alone
@@ -203,7 +244,7 @@ def main(argv=None):
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; floors at {rates.bandwidth / 1e9:.0f} GB/s")
     records = []
     for name in args.shapes.split(","):
-        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates, args.int8)
+        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates, args.int8, args.reduction)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

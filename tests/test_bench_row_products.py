@@ -67,3 +67,16 @@ def test_the_int8_products_equal_the_scaled_rows_and_are_timed():
     assert [r["rows"] for r in records] == [1, 4] and all(
         r["xla_us"] > 0 and r["xla_parts_us"] > 0 and r["kernel_us"] > 0 for r in records
     )
+
+
+def test_the_reduction_equals_the_product_and_both_are_timed_written_out():
+    """--reduction: the multiply-reduce product (PackedLinear's small rows) against float64, and its
+    records beside XLA's at each row count."""
+    weights = [0.02 * jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(2)]
+    x = jax.random.normal(jax.random.key(9), (3, 128), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64).T
+    for product in (bench.reduced_product, bench.written_out(bench.reduced_product), bench.xla_product):
+        got = np.asarray(product(x, weights[0]), np.float64)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    records = bench.run_reduction("tiny", "o", weights, [1, 3], 1, floors.Rates(bandwidth=1e12, matmul=1e14))
+    assert [r["rows"] for r in records] == [1, 3] and all(r["xla_us"] > 0 and r["reduction_us"] > 0 for r in records)
