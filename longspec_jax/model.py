@@ -518,7 +518,7 @@ class Transformer(nnx.Module):
         # 254 / 315 / 375 with these (BENCHMARKS.md, "The one-token step's residual adds"). A
         # verified block whose o and down products stream their weight (7B layers on Hopper) takes
         # them too: the kernel sums the streamer's partials, which XLA summed in an add kernel of
-        # its own before the norm after the down product (BENCHMARKS.md, "The streamer's partials").
+        # its own before the norm after the down product (BENCHMARKS.md, "A verify's streamed products").
         self.norm_kernels = True
 
     def _rope(self, positions: jax.Array) -> Rope:

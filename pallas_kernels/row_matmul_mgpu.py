@@ -105,8 +105,8 @@ def row_matmul(x, w, *, out_dtype=None, tile_n=128, splits=1, stages=4, partials
     """x [M, K] @ w[N, K]^T -> [M, N] in out_dtype (default x.dtype), float32 accumulation.
     M <= 64, 16-bit operands, K a multiple of 64 * splits, N a multiple of tile_n (a multiple of 8,
     at most 256). partials: return the kernel's output as it is, [splits, 64, N] (float32 partial
-    sums over the slices of K, or the product in out_dtype when splits is 1; rows past M hold the
-    padding's products), for a consumer that sums them itself. interpret: False, or
+    sums over the slices of K, or the product in out_dtype when splits is 1; rows past M hold zeros,
+    the padding's products), for a consumer that sums them itself. interpret: False, or
     plgpu.InterpretGPUParams() to run on the CPU."""
     if not supports(x, w):
         raise ValueError(
