@@ -459,15 +459,19 @@ def draft_candidates(
     *,
     attn_impl=None,
     head: DraftHead | None = None,
+    scaled_noise=None,
 ):
     """`candidates_from_logits` for the draft's features [B,T,H] under the target's LM head, the
     noise float32[B, V] zero when greedy; with a `DraftHead`, under its rows (a candidate
     vocabulary's tokens alone, int8 rows: draft_head.py). With the Pallas kernels and no top-k / top-p filter, one
     `head_top_k` pass ranks logit + T * noise (the order of logit / T + noise) and returns
     log-prob + T * noise: the log-probs when greedy, the margins once less the best and over T.
-    No branch on the traced greedy flag: a conditional cost each tree level ~10 us on the H200."""
+    scaled_noise: T * noise where the caller made it (a tree's levels, all in one kernel), else
+    made here. No branch on the traced greedy flag: a conditional cost each tree level ~10 us on
+    the H200."""
     if _impl(attn_impl) == "pallas" and not (sampling.use_top_k or sampling.use_top_p):
-        best, ids = _fused_head_top_k(target_model, features, k, noise * sampling.temperature, head)
+        scaled_noise = noise * sampling.temperature if scaled_noise is None else scaled_noise
+        best, ids = _fused_head_top_k(target_model, features, k, scaled_noise, head)
         return jnp.where(sampling.greedy, best, (best - best[..., :1]) / sampling.temperature), ids
     return candidates_from_logits(draft_logits(target_model, features, head), k, sampling, noise)
 

@@ -199,8 +199,10 @@ class BlockDraft:
             attn_impl=attn_impl,
         )
 
-    def candidates(self, params, target_model, features, k, attn_impl, sampling, noise):
-        return draft_candidates(target_model, features, k, sampling, noise, attn_impl=attn_impl, head=params.head)
+    def candidates(self, params, target_model, features, k, attn_impl, sampling, noise, scaled_noise=None):
+        return draft_candidates(
+            target_model, features, k, sampling, noise, attn_impl=attn_impl, head=params.head, scaled_noise=scaled_noise
+        )
 
     def logits(self, params, target_model, features):
         return draft_logits(target_model, features, params.head)
@@ -288,6 +290,8 @@ class DraftProposer:
         tree = None
         # The chain: one draw of noise for its tokens. A tree: one per depth, the leaves' included.
         noise = gumbel_noise(key, (roots.shape[0], len(self.widths) + (not self.draws), vocab), sampling)
+        # Scaled once for every level: XLA then slices all of them in one kernel, not one a level.
+        scaled_noise = noise * sampling.temperature
         for depth in range(len(self.widths)):
             if depth > 0:
                 tokens, _, sees = level_block(tree, depth, root_pos)
@@ -299,7 +303,9 @@ class DraftProposer:
                 drawn_from.append(scores)
             else:
                 k = min(self.widths[depth], vocab)
-                best, tokens = self.draft.candidates(params, model, features, k, attn_impl, sampling, noise[:, depth])
+                best, tokens = self.draft.candidates(
+                    params, model, features, k, attn_impl, sampling, noise[:, depth], scaled_noise[:, depth]
+                )
             if depth == 0:
                 tree = init_tree_from_top(roots, best[:, 0], tokens[:, 0], self.widths)
             else:

@@ -44,6 +44,11 @@ def test_kernel_and_xla_tree_candidates_agree(temperature, top_p):
     want_best, want_ids = draft_candidates(target.model, features, 4, sampling, noise, attn_impl="xla")
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(best), np.asarray(want_best), rtol=1e-5, atol=1e-4)
+    # The noise scaled by the caller (a tree's levels in one kernel): the same candidates, to the bit.
+    scaled = noise * sampling.temperature
+    given = draft_candidates(target.model, features, 4, sampling, noise, attn_impl="pallas", scaled_noise=scaled)
+    for got, want in zip(given, (best, ids)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     if temperature == 0.0:  # exactly the greedy tree's candidates under either impl
         for impl, got in (("pallas", (best, ids)), ("xla", (want_best, want_ids))):
             likeliest = draft_top_k(target.model, features, 4, attn_impl=impl)

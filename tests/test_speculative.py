@@ -102,8 +102,8 @@ class OracleDraft:
     ):
         return self._logits(params, tokens, root_positions[:, None] + depth), state
 
-    def candidates(self, params, target_model, logits, k, attn_impl, sampling, noise):  # its features are its logits
-        return candidates_from_logits(logits, k, sampling, noise)
+    def candidates(self, params, target_model, logits, k, attn_impl, sampling, noise, scaled_noise=None):
+        return candidates_from_logits(logits, k, sampling, noise)  # its features are its logits
 
     def logits(self, params, target_model, logits):
         return logits
