@@ -60,9 +60,8 @@ def xla_product(x, w):
 
 
 def reduced_product(x, w):
-    """The product as `PackedLinear` writes its small rows: a multiply and a float32 sum over each
-    weight row."""
-    return jnp.sum(x[:, None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(x.dtype)
+    """The product as `PackedLinear` writes its small rows (`model.multiply_reduce`)."""
+    return model.multiply_reduce(x, w, x.dtype)
 
 
 def written_out(product):

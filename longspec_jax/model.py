@@ -73,6 +73,12 @@ SCALE_AFTER_ROWS = 16
 SCALE_AFTER_MAX_WIDTH = 1024
 
 
+def multiply_reduce(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """x [..., K] times w [N, K] as a multiply and a float32 sum over each weight row, in `dtype`:
+    the form of `SMALL_ROWS`' products, one reduction kernel on a GPU."""
+    return jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(dtype)
+
+
 def norms_first(rows: int, width: int) -> bool:
     """Whether a folded norm scales a product's input (else its output rows): `SCALE_AFTER_ROWS`."""
     return rows < SCALE_AFTER_ROWS or width > SCALE_AFTER_MAX_WIDTH
@@ -255,7 +261,7 @@ class PackedLinear(nnx.Module):
             scale = self.weight_scale[...] if scale is None else scale * self.weight_scale[...]
         out = x.dtype if scale is None else jnp.float32
         if rows in self.small_rows:
-            y = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(out)
+            y = multiply_reduce(x, w, out)
         elif self.weight_scale is None and (streamed := self._streamed(rows, x, w)) is not None:
             flat = row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=out, **streamed)
             y = flat.reshape(*x.shape[:-1], w.shape[0])
@@ -265,13 +271,17 @@ class PackedLinear(nnx.Module):
             y = (y * scale).astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
-    def streams(self, rows: int, dtype) -> bool:
-        """Whether `split_product` of `rows` rows of `dtype` gives the weight streamer's partials: a
-        streamed product with no folded norm, bias or int8 rows."""
+    def _split_knobs(self, rows: int, dtype) -> dict | None:
+        """The streamer's knobs where `split_product` of `rows` rows of `dtype` gives its partials (a
+        streamed product with no folded norm, bias or int8 rows), else None."""
         if self.eps is not None or self.bias is not None or self.weight_scale is not None or rows in self.small_rows:
-            return False
+            return None
         w = self.weight[...]
-        return self._streamed(rows, jax.ShapeDtypeStruct((rows, w.shape[1]), dtype), w) is not None
+        return self._streamed(rows, jax.ShapeDtypeStruct((rows, w.shape[1]), dtype), w)
+
+    def streams(self, rows: int, dtype) -> bool:
+        """Whether `split_product` of `rows` rows of `dtype` gives the weight streamer's partials."""
+        return self._split_knobs(rows, dtype) is not None
 
     def split_product(self, x: jax.Array) -> tuple[jax.Array, bool]:
         """This product of x [..., K] for a consumer that sums a split product itself
@@ -279,11 +289,11 @@ class PackedLinear(nnx.Module):
         `streams`, else (the product, False). The sum of the partials, which XLA would run as a kernel
         of its own before a Pallas consumer, then happens in that consumer."""
         rows = math.prod(x.shape[:-1])
-        if not self.streams(rows, x.dtype):
+        knobs = self._split_knobs(rows, x.dtype)
+        if knobs is None:
             return self(x), False
-        w = self.weight[...]
-        knobs = self._streamed(rows, x, w)
-        return row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, partials=True, **knobs), True
+        flat = x.reshape(rows, x.shape[-1])
+        return row_matmul_mgpu.row_matmul(flat, self.weight[...], partials=True, **knobs), True
 
     def to_int8(self) -> None:
         """Stores this product's weight as int8 rows and a float32 scale a row (`int8_rows`), in place."""

@@ -41,10 +41,8 @@ def _kernel(x_ref, delta_ref, *refs, width, block, eps, splits):
     if splits is None:
         delta = plgpu.load(delta_ref.at[cols], mask=ok, other=0).astype(jnp.float32)
     else:  # a split product's partials: summed in float32, rounded as the product's output
-        delta = plgpu.load(delta_ref.at[0, cols], mask=ok, other=0).astype(jnp.float32)
-        for split in range(1, splits):
-            delta += plgpu.load(delta_ref.at[split, cols], mask=ok, other=0).astype(jnp.float32)
-        delta = delta.astype(h_ref.dtype).astype(jnp.float32)
+        parts = [plgpu.load(delta_ref.at[s, cols], mask=ok, other=0).astype(jnp.float32) for s in range(splits)]
+        delta = functools.reduce(jnp.add, parts).astype(h_ref.dtype).astype(jnp.float32)
     h = (x + delta).astype(h_ref.dtype)
     h32 = h.astype(jnp.float32)
     inverse_rms = jax.lax.rsqrt(jnp.sum(h32 * h32) / width + eps)
