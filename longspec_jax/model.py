@@ -61,6 +61,12 @@ INIT_STD = 0.02
 # faster on an H100 (BENCHMARKS.md, "One-row products as reductions"). On a CPU the reduction is
 # twice as slow as the dot at any row count, so it is GPU-only.
 SMALL_ROWS = (1, 2, 3)
+# Past one row the reduction walks the whole weight once a row (XLA reduces row 0's outputs before
+# row 1's): a Llama-3-8B product at 2 / 3 rows took 2.1-2.3x / 3.0-3.3x its bytes as multiply-reduce
+# against 1.1-1.5x as XLA's GEMM on an H100 (`bench_row_products --reduction`; BENCHMARKS.md,
+# "Products of 2-3 rows"). A weight of at most SMALL_ROWS_MAX_BYTES (SmolLM2's largest is 3.5 MB) is
+# read again from the L2 cache; a larger one takes the GEMM at 2-3 rows.
+SMALL_ROWS_MAX_BYTES = 8 << 20
 # A product with a folded norm (`PackedLinear`) scales its float32 output rows instead of its input
 # from SCALE_AFTER_ROWS rows on, where its input has at most SCALE_AFTER_MAX_WIDTH features. There,
 # a verified block's q|k|v and gate|up products are split-K GEMMs whose reduction kernel takes the
@@ -77,6 +83,13 @@ def multiply_reduce(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """x [..., K] times w [N, K] as a multiply and a float32 sum over each weight row, in `dtype`:
     the form of `SMALL_ROWS`' products, one reduction kernel on a GPU."""
     return jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+def reduces(rows: int, small_rows: Sequence[int], weight: jax.Array) -> bool:
+    """Whether a product of `rows` rows against `weight` [N, K] runs as `multiply_reduce`: `rows` is
+    one of `small_rows`, and past one row the weight is small enough to be re-read from the L2 cache
+    (`SMALL_ROWS_MAX_BYTES`)."""
+    return rows in small_rows and (rows == 1 or weight.size * weight.dtype.itemsize <= SMALL_ROWS_MAX_BYTES)
 
 
 def norms_first(rows: int, width: int) -> bool:
@@ -260,7 +273,7 @@ class PackedLinear(nnx.Module):
             w = w.astype(x.dtype)
             scale = self.weight_scale[...] if scale is None else scale * self.weight_scale[...]
         out = x.dtype if scale is None else jnp.float32
-        if rows in self.small_rows:
+        if reduces(rows, self.small_rows, self.weight[...]):
             y = multiply_reduce(x, w, out)
         elif self.weight_scale is None and (streamed := self._streamed(rows, x, w)) is not None:
             flat = row_matmul_mgpu.row_matmul(x.reshape(rows, x.shape[-1]), w, out_dtype=out, **streamed)
@@ -274,9 +287,14 @@ class PackedLinear(nnx.Module):
     def _split_knobs(self, rows: int, dtype) -> dict | None:
         """The streamer's knobs where `split_product` of `rows` rows of `dtype` gives its partials (a
         streamed product with no folded norm, bias or int8 rows), else None."""
-        if self.eps is not None or self.bias is not None or self.weight_scale is not None or rows in self.small_rows:
-            return None
         w = self.weight[...]
+        if (
+            self.eps is not None
+            or self.bias is not None
+            or self.weight_scale is not None
+            or reduces(rows, self.small_rows, w)
+        ):
+            return None
         return self._streamed(rows, jax.ShapeDtypeStruct((rows, w.shape[1]), dtype), w)
 
     def streams(self, rows: int, dtype) -> bool:

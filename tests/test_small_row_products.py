@@ -1,7 +1,8 @@
 """Products of 1-3 rows written as multiply-reduce (`PackedLinear.small_rows`, the GPU's inference
 layout): the same values as the dot, against a float64 reference; only those row counts take that
-path; and a model in that layout decodes exactly as the plain layout does (float32, greedy). A norm
-folded into the products gives norm-then-product, whichever side its scale is applied on."""
+path, and past one row only a weight small enough to re-read from the L2 cache; and a model in that
+layout decodes exactly as the plain layout does (float32, greedy). A norm folded into the products
+gives norm-then-product, whichever side its scale is applied on."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,15 @@ import pytest
 from flax import nnx
 
 from longspec_jax.generation import generate
-from longspec_jax.model import SCALE_AFTER_MAX_WIDTH, SCALE_AFTER_ROWS, SMALL_ROWS, Linear, PackedLinear, RMSNorm
+from longspec_jax.model import (
+    SCALE_AFTER_MAX_WIDTH,
+    SCALE_AFTER_ROWS,
+    SMALL_ROWS,
+    SMALL_ROWS_MAX_BYTES,
+    Linear,
+    PackedLinear,
+    RMSNorm,
+)
 from longspec_jax.target import Target, random_target
 from tests.tiny_models import tiny_config
 
@@ -62,6 +71,19 @@ def test_only_small_row_counts_take_the_reduction(rows):
     jaxpr = str(jax.make_jaxpr(linear)(jnp.zeros((rows, 1, 24), jnp.float32)))
     reduced = rows in SMALL_ROWS
     assert ("reduce_sum" in jaxpr) == reduced and ("dot_general" in jaxpr) == (not reduced)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_past_one_row_a_large_weight_takes_the_dot(rows):
+    """A weight over SMALL_ROWS_MAX_BYTES is reduced at one row only (the reduction reads it once a
+    row); at most that size, at every small row count."""
+    d_in = 1024
+    for d_out, large in ((SMALL_ROWS_MAX_BYTES // (4 * d_in), False), (SMALL_ROWS_MAX_BYTES // (4 * d_in) + 1, True)):
+        linear = PackedLinear([Linear(d_in, d_out, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0))], SMALL_ROWS)
+        assert (linear.weight[...].nbytes > SMALL_ROWS_MAX_BYTES) == large
+        jaxpr = str(jax.make_jaxpr(linear)(jnp.zeros((1, rows, d_in), jnp.float32)))
+        reduced = rows == 1 or not large
+        assert ("reduce_sum" in jaxpr) == reduced and ("dot_general" in jaxpr) == (not reduced), (rows, large)
 
 
 def test_the_gpu_layout_decodes_as_the_plain_one():
