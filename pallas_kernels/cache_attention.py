@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import flash_block as fb
-from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.split_combine import MIN_TILES_PER_SPLIT, combine_splits, split_plan
 
 # Enough programs to fill an H200 (132 SMs) about four times over. On the H200 a fixed 8 or 32
 # splits were 0-21% slower than this choice at T = 74, S = 32k (benchmark tuning, 2026-11-29).
@@ -37,21 +37,6 @@ TARGET_PROGRAMS = 528
 # 2026-12-04). Not at SmolLM2's head dim 64: at batch 8 its AR step took 16.2 us a layer with one
 # wave's 6 splits against 14.7 with 22 (`--splits`), so small heads keep TARGET_PROGRAMS.
 SMALL_BLOCK_TARGET_PROGRAMS = fb.NUM_SMS
-# Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
-# writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
-# shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
-# a layer, 24 splits of 3 tiles 20.0 us, 15 of 5 tiles 14.0 us (`benchmarks.tune_decode_attention`).
-MIN_TILES_PER_SPLIT = 4
-
-
-def split_plan(length, num_splits: int, block_keys: int):
-    """(key tiles, tiles per split, splits holding keys) for a sequence of `length` cached keys cut
-    into at most num_splits slices of whole tiles, each of at least MIN_TILES_PER_SPLIT tiles (the
-    last may hold fewer). Plain integer ops: usable inside the kernels and in XLA on an int32[B]."""
-    # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
-    num_tiles = lax.div(length + block_keys - 1, block_keys)
-    per_split = jnp.maximum(lax.div(num_tiles + num_splits - 1, num_splits), MIN_TILES_PER_SPLIT)
-    return num_tiles, per_split, lax.div(num_tiles + per_split - 1, per_split)
 
 
 def fold_cache_split(state, q, k_ref, v_ref, length, split, plan, block_keys: int, scale: float):
@@ -76,7 +61,7 @@ def _split_kernel(
 ):
     """One row block of one (batch, KV head) against one slice of that sequence's cache."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    split, length = pl.program_id(3), len_ref[()]
+    split, length = pl.program_id(3), jnp.minimum(len_ref[()], k_ref.shape[0])  # capped at the capacity
     plan = split_plan(length, num_splits, block_keys)
     rows_active = row_ok & (split < plan[2])  # a split past the keys loads and writes nothing
     q = fb.load_query_rows(q_ref, query, head, rows_active)
@@ -173,7 +158,7 @@ def _cache_attention(
         num_splits=num_splits,
     )
     in_specs, out_specs, out_shape = split_specs(q, k_cache, num_splits, rows)
-    lengths = valid_lengths(cache_len, k_cache)
+    lengths = cache_len.astype(jnp.int32)  # each kernel caps them at the capacity: no XLA kernel does
     o_parts, lse_parts = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, num_splits),
@@ -184,9 +169,15 @@ def _cache_attention(
         interpret=interpret,
         name="cache_split_k_attn",
     )(lengths, q, k_cache, v_cache)
-    _, _, used = split_plan(lengths, num_splits, block_keys)
     return combine_splits(
-        o_parts, lse_parts, used, num_queries=t, out_dtype=q.dtype, with_lse=True, interpret=interpret
+        o_parts,
+        lse_parts,
+        lengths,
+        num_queries=t,
+        out_dtype=q.dtype,
+        with_lse=True,
+        interpret=interpret,
+        cut=(num_splits, block_keys, 0, k_cache.shape[1]),
     )
 
 

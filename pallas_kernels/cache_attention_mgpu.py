@@ -13,7 +13,7 @@ tensor cores (a shared "schedule" barrier): while one runs its score product or 
 the other runs its softmax. The probabilities feed the value product from registers. The two blocks
 of a group of four read the same tiles one after the other, mostly from the L2.
 
-The slices are cut from the true length as cache_attention.split_plan cuts them, so a sequence
+The slices are cut from the true length as split_combine.split_plan cuts them, so a sequence
 that fills part of its cache loads only the tiles it holds; keys past the length inside a block's
 last tile are masked (only that tile pays for the mask). A slice with no keys writes o = 0 and
 lse = -inf, which the merge weighs 0. The partials are merged by split_combine's Triton kernel, each
@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import flash_block as fb
-from pallas_kernels.cache_attention import split_plan, valid_lengths
-from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.cache_attention import valid_lengths
+from pallas_kernels.split_combine import combine_splits, split_plan
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
 OWN_ROWS = 128  # the tile that holds a block's own keys: 64 keys from any row, 64-row aligned

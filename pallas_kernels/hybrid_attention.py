@@ -14,7 +14,7 @@ against 13.2 in a 5k-row one; with them first, 15.6 in the 8k rows;
 cache_attention.default_num_splits now also keeps such a grid to one wave). Every program runs the
 cache's loop, with bounds that leave it empty in the new keys' program, and the new keys' tiles
 under a branch only that program takes, into the same online-softmax
-state. The cache's slices that hold keys write their partials first (cache_attention.split_plan),
+state. The cache's slices that hold keys write their partials first (split_combine.split_plan),
 the new keys' partial right after them; split_combine then merges those and writes o in q's layout.
 Against cache attention, masked attention and an LSE merge done apart, this spares the masked
 kernel, the merge and the transposes around them.
@@ -73,7 +73,7 @@ def _hybrid_kernel(
     new_keys = pl.program_id(3) == 0
     # The new keys' program runs past every cache slice: its cache loop folds nothing.
     cache_split = jnp.where(new_keys, jnp.int32(num_splits), pl.program_id(3) - 1)
-    length = len_ref[()]
+    length = jnp.minimum(len_ref[()], k_ref.shape[0])  # capped at the capacity
     # The cache's slices that hold keys write their partials first (split_plan), the new keys' right
     # after them, where the combine's count ends. A split past those has nothing to do: it loads no
     # query row and writes nothing.
@@ -196,7 +196,7 @@ def _hybrid_attention(
         norm=norm,
     )
     mask_int8 = mask.astype(jnp.int8)  # Triton has no byte-addressable bool pointers
-    lengths = split.valid_lengths(cache_len, k_cache)
+    lengths = cache_len.astype(jnp.int32)  # each kernel caps them at the capacity: no XLA kernel does
     in_specs, out_specs, out_shape = split.split_specs(queries, k_cache, num_splits + 1, rows)
     aliases = {}
     norm_args = ()
@@ -228,9 +228,15 @@ def _hybrid_attention(
         interpret=interpret,
         name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
     )(lengths, q, k_cache, v_cache, new_a, new_b, *norm_args, mask_int8)
-    _, _, used = split.split_plan(lengths, num_splits, block_keys)
     o, _ = combine_splits(
-        o_parts, lse_parts, used + 1, num_queries=t, out_dtype=queries.dtype, with_lse=False, interpret=interpret
+        o_parts,
+        lse_parts,
+        lengths,
+        num_queries=t,
+        out_dtype=queries.dtype,
+        with_lse=False,
+        interpret=interpret,
+        cut=(num_splits, block_keys, 1, k_cache.shape[1]),  # the new keys' partial after the cache's
     )
     return (o, *caches) if packed_heads else o
 

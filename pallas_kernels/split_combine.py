@@ -14,6 +14,10 @@ online-softmax style: a running max of the lse rescales what came before. A loop
 partials would wait on one small load after another (P is 40-70 at batch 1: ~9 us on the H200 for
 3 KV heads, more than the attention itself). The output goes to q's layout [B, T, Hq, D] directly
 (flash_block.query_rows), so no XLA transpose follows.
+
+How the split-K kernels cut a sequence's cached keys into slices (`split_plan`) lives here too: the
+combine can then count a sequence's partials from its length itself (`cut`), where XLA would run a
+kernel to count them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,23 @@ BLOCK_ROWS = 16
 CHUNK_ELEMENTS = 8192
 
 
+# Key tiles a split holds at least. A program's fixed cost (loading and rotating its query rows,
+# writing its partial, a combine input more) is worth several tiles: on the H200 at SmolLM2's verify
+# shape (64 tokens x 3 query heads per KV head, 4.5k cached keys) 18 splits of 4 tiles took 12.9 us
+# a layer, 24 splits of 3 tiles 20.0 us, 15 of 5 tiles 14.0 us (`benchmarks.tune_decode_attention`).
+MIN_TILES_PER_SPLIT = 4
+
+
+def split_plan(length, num_splits: int, block_keys: int):
+    """(key tiles, tiles per split, splits holding keys) for a sequence of `length` cached keys cut
+    into at most num_splits slices of whole tiles, each of at least MIN_TILES_PER_SPLIT tiles (the
+    last may hold fewer). Plain integer ops: usable inside the kernels and in XLA on an int32[B]."""
+    # lax.div (truncating) on these non-negative ints: Python's // would add floor-sign fixups.
+    num_tiles = lax.div(length + block_keys - 1, block_keys)
+    per_split = jnp.maximum(lax.div(num_tiles + num_splits - 1, num_splits), MIN_TILES_PER_SPLIT)
+    return num_tiles, per_split, lax.div(num_tiles + per_split - 1, per_split)
+
+
 def parts_per_chunk(num_parts: int, block_rows: int, head_dim: int) -> int:
     """The power of two C <= num_parts that keeps a [C, block_rows, head_dim] chunk in registers."""
     cap = max(1, CHUNK_ELEMENTS // (block_rows * head_dim))
@@ -46,12 +67,18 @@ def parts_per_chunk(num_parts: int, block_rows: int, head_dim: int) -> int:
 
 
 def _combine_kernel(
-    used_ref, o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, num_parts, group, chunk
+    used_ref, o_parts_ref, lse_parts_ref, o_ref, *lse_ref, block_rows, num_rows, num_parts, group, chunk, cut
 ):
     """The first used_ref[()] partials of o_parts [P, rows, D], lse_parts [P, rows] of one (batch,
-    KV head) -> o [T, Hq, D] (and lse [Hq, T] when asked) at this program's rows."""
+    KV head) -> o [T, Hq, D] (and lse [Hq, T] when asked) at this program's rows; with cut, the
+    count is split_plan's for the cached length used_ref[()] holds (capped at cut's capacity), plus
+    cut's extra parts."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
-    used = jnp.minimum(used_ref[()], num_parts)
+    used = used_ref[()]
+    if cut is not None:
+        num_splits, block_keys, extra, capacity = cut
+        used = split_plan(jnp.minimum(used, capacity), num_splits, block_keys)[2] + extra
+    used = jnp.minimum(used, num_parts)
 
     def merge(c, carry):
         acc, total, top = carry
@@ -82,10 +109,15 @@ def _combine_kernel(
         plgpu.store(lse_ref[0].at[head, query], lse, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("num_queries", "out_dtype", "with_lse", "interpret"))
-def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtype, with_lse: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("num_queries", "out_dtype", "with_lse", "interpret", "cut"))
+def combine_splits(
+    o_parts, lse_parts, parts_used, *, num_queries: int, out_dtype, with_lse: bool, interpret: bool, cut=None
+):
     """Merges partials o [B, Hkv, P, T * G, D] (float32 or 16-bit) and lse [B, Hkv, P, T * G] over their first
-    parts_used[b] (int32 [B], at most P) slots; what the other slots hold is never read.
+    parts_used[b] (int32 [B], at most P) slots; what the other slots hold is never read. With cut =
+    (num_splits, block_keys, extra parts, cache capacity), parts_used holds each sequence's cached
+    length instead (capped at the capacity here), and the kernel counts its partials from it as
+    split_plan cuts the keys, plus the extra parts after them: no XLA kernel computes the counts.
 
     Rows are in flash_block's order (row t * G + g of KV head h is query t of head h * G + g).
     Returns o [B, T, Hq, D] in out_dtype and, with with_lse, lse float32 [B, Hq, T] (else None).
@@ -96,7 +128,13 @@ def combine_splits(o_parts, lse_parts, parts_used, *, num_queries: int, out_dtyp
     block_rows = 1 << (min(rows, BLOCK_ROWS) - 1).bit_length()
     chunk = parts_per_chunk(num_parts, block_rows, d)
     kernel = functools.partial(
-        _combine_kernel, block_rows=block_rows, num_rows=rows, num_parts=num_parts, group=group, chunk=chunk
+        _combine_kernel,
+        block_rows=block_rows,
+        num_rows=rows,
+        num_parts=num_parts,
+        group=group,
+        chunk=chunk,
+        cut=cut,
     )
     out_specs = [pl.BlockSpec((None, num_queries, hq, d), lambda i, h, r: (i, 0, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, num_queries, hq, d), out_dtype)]

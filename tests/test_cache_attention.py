@@ -70,6 +70,18 @@ def test_pallas_cache_attention_matches_float64_reference(b, t, hq, hkv, s, d, l
     assert_cache_result(o, lse, q, k, v, lengths)
 
 
+def test_lengths_past_the_capacity_read_the_whole_cache():
+    """A length past S counts as S, in the kernels and in the combine's count of partials (which
+    each takes from the length itself): the same result as a length of S, against float64."""
+    rng = np.random.default_rng(9)
+    q, k, v, lengths = random_cache_case(rng, 2, 3, 8, 2, 300, 64, [300, 130])
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    o, lse = pallas_cache_attention(*args, jnp.asarray([300 + 77, 130], jnp.int32), num_splits=4)
+    assert_cache_result(o, lse, q, k, v, lengths)
+    want, _ = pallas_cache_attention(*args, jnp.asarray(lengths), num_splits=4)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_split_plan_cuts_every_length_into_at_most_num_splits_slices_of_enough_tiles(num_splits):
     lengths = jnp.arange(0, 3000, dtype=jnp.int32)
