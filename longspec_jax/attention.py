@@ -484,7 +484,7 @@ def _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads: int):
 
 
 def attend_and_write_block(
-    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None, row_norm=None
+    qkv, rope, k_cache, v_cache, lengths, self_mask, *, num_heads: int, impl: str = "xla", scale=None
 ):
     """The attention of a block of new tokens (AR decoding's one token; under "pallas" a verified
     tree too), from the model's q|k|v product, their K/V written into the cache.
@@ -500,41 +500,29 @@ def attend_and_write_block(
     64-token verify on a Hopper GPU instead runs on the Mosaic GPU kernel, the tree's own keys
     included (`cache_on_hopper_units`).
     "xla" / "cudnn" (T = 1) split and rotate, write the row, then attend rows
-    [0, lengths[b] + self_mask[b]) (`decode_attention`).
-
-    row_norm (`flash_block.RowNorm`, sq_sum [B,T]): qkv is instead the product's float32 partials
-    [P,B,T,W] over slices of its K (`model.PackedLinear.scaled_partials`), the product their sum
-    times the rows' scale under row_norm, rounded to the caches' dtype; the fused kernel sums and
-    scales them as it loads, the other routes first."""
+    [0, lengths[b] + self_mask[b]) (`decode_attention`)."""
     _check_impl(impl, "attend_and_write_block")
-    b, t, width = qkv.shape[-3:]
+    b, t, width = qkv.shape
     d = k_cache.shape[3]
     if t != 1 and impl != "pallas":
         raise UserError(
             f"attend_and_write_block takes one token per sequence under impl {impl!r}, got {t}: "
             "use hybrid_tree_attention"
         )
-    on_units = impl == "pallas" and cache_on_hopper_units(t, num_heads, k_cache, on_hopper=on_hopper())
-    if row_norm is not None and (impl != "pallas" or on_units):  # the product, summed and scaled here
-        scale_rows = row_norm.scale(row_norm.sq_sum)[..., None]
-        qkv, row_norm = (sum(qkv[1:], qkv[0]) * scale_rows).astype(k_cache.dtype), None
-    qkv = qkv.reshape(*qkv.shape[:-1], width // d, d)
+    qkv = qkv.reshape(b, t, width // d, d)
     cos, sin = rope
     if impl == "pallas":
-        rows = (cos.reshape(b, t, d // 2), sin.reshape(b, t, d // 2), k_cache, v_cache, lengths)
-        if on_units:
-            return _verify_on_hopper_units((qkv.astype(k_cache.dtype), *rows), self_mask, num_heads, scale)
-        if row_norm is None:
-            qkv = qkv.astype(k_cache.dtype)
-        return _kernel(
-            pallas_hybrid.hybrid_attention_and_write,
-            qkv,
-            *rows,
-            self_mask,
-            num_heads=num_heads,
-            scale=scale,
-            row_norm=row_norm,
+        packed = (
+            qkv.astype(k_cache.dtype),
+            cos.reshape(b, t, d // 2),
+            sin.reshape(b, t, d // 2),
+            k_cache,
+            v_cache,
+            lengths,
         )
+        if cache_on_hopper_units(t, num_heads, k_cache, on_hopper=on_hopper()):
+            return _verify_on_hopper_units(packed, self_mask, num_heads, scale)
+        return _kernel(pallas_hybrid.hybrid_attention_and_write, *packed, self_mask, num_heads=num_heads, scale=scale)
     q, k_cache, v_cache = _rotate_and_write(qkv, cos, sin, k_cache, v_cache, lengths, num_heads)
     visible = lengths + self_mask[:, 0, 0].astype(jnp.int32)
     return decode_attention(q, k_cache, v_cache, visible, impl=impl, scale=scale), k_cache, v_cache

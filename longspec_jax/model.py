@@ -49,7 +49,6 @@ from longspec_jax.rope import inverse_frequencies, rope_tables, rotate
 from longspec_jax.streamed_products import streamer_knobs
 from pallas_kernels import flash_block, row_matmul_mgpu
 from pallas_kernels.commit_rows import commit_rows
-from pallas_kernels.flash_block import RowNorm
 from pallas_kernels.fused_linear import fused_linear
 from pallas_kernels.residual_norm import residual_norm
 
@@ -78,12 +77,6 @@ SMALL_ROWS_MAX_BYTES = 8 << 20
 # the verify 2-3 % slower on an H100 (BENCHMARKS.md, "Norms folded into the products").
 SCALE_AFTER_ROWS = 16
 SCALE_AFTER_MAX_WIDTH = 1024
-# Where a folded norm scales a product's output rows (above) and the consumer is a kernel of ours
-# (a verified block's q|k|v, read by the hybrid attention kernel: `PackedLinear.scaled_partials`),
-# the product is written as PARTIAL_SLICES float32 partials over slices of K, XLA's own split-K for
-# SmolLM2's 64-row q|k|v, and the kernel sums and scales them as it loads: XLA's kernel that
-# summed them, one a layer, is not run.
-PARTIAL_SLICES = 4
 
 
 def multiply_reduce(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
@@ -304,31 +297,6 @@ class PackedLinear(nnx.Module):
             return None
         return self._streamed(rows, jax.ShapeDtypeStruct((rows, w.shape[1]), dtype), w)
 
-    def scaled_partials(self, x: jax.Array) -> tuple[jax.Array, RowNorm] | None:
-        """This product of x [..., K] as (float32 partials [PARTIAL_SLICES, ..., N] over slices of K,
-        the folded norm's statistics of x's rows, a `flash_block.RowNorm`) where the norm scales the
-        output rows (not `norms_first`), with no bias or int8 rows and K a multiple of
-        PARTIAL_SLICES: the product is the partials' sum times the rows' scale, rounded, for a
-        kernel that sums and scales them itself. Else None."""
-        rows, k = math.prod(x.shape[:-1]), x.shape[-1]
-        if (
-            self.eps is None
-            or norms_first(rows, k)
-            or self.bias is not None
-            or self.weight_scale is not None
-            or k % PARTIAL_SLICES
-            or reduces(rows, self.small_rows, self.weight[...])
-        ):
-            return None
-        w = self.weight[...]
-        sliced = x.reshape(rows, PARTIAL_SLICES, k // PARTIAL_SLICES)
-        parts = jnp.einsum(
-            "rsk,nsk->srn", sliced, w.reshape(w.shape[0], PARTIAL_SLICES, -1), preferred_element_type=jnp.float32
-        )
-        x32 = x.astype(jnp.float32)
-        norm = RowNorm(jnp.sum(x32 * x32, axis=-1), k, self.eps)  # the sum alone: its scale is the kernel's
-        return parts.reshape(PARTIAL_SLICES, *x.shape[:-1], w.shape[0]), norm
-
     def streams(self, rows: int, dtype) -> bool:
         """Whether `split_product` of `rows` rows of `dtype` gives the weight streamer's partials."""
         return self._split_knobs(rows, dtype) is not None
@@ -494,13 +462,6 @@ class DecoderLayer(nnx.Module):
         if normed is not None:
             return self.self_attn.qkv_product(x, normed)
         return self.self_attn.qkv_product(_normed(self.input_layernorm, x))
-
-    def qkv_partials(self, x) -> tuple[jax.Array, RowNorm] | None:
-        """q|k|v before RoPE as `PackedLinear.scaled_partials` (packed layout, the input norm folded
-        in), or None where the product is not given so."""
-        if not self.packed:
-            return None
-        return self.self_attn.qkv_proj.scaled_partials(x)
 
     def finish(self, x, attn_out):
         """The residual stream after this layer, given the attention output o [B,T,Hq,D]."""
@@ -702,14 +663,8 @@ class Transformer(nnx.Module):
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v)):
             fused_layer = fused and layer.packed
             if one_token or block_in_cache:
-                partials = layer.qkv_partials(x) if block_in_cache and not fused_layer and normed is None else None
-                if partials is not None:  # summed and scaled by the attention kernel as it loads them
-                    qkv, row_norm = partials
-                else:
-                    qkv = layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x, normed)
-                    row_norm = None
                 o, k_cache, v_cache = attention.attend_and_write_block(
-                    qkv,
+                    layer.fused_qkv_product(x) if fused_layer else layer.qkv_product(x, normed),
                     rope,
                     k_cache,
                     v_cache,
@@ -717,7 +672,6 @@ class Transformer(nnx.Module):
                     block_mask,
                     num_heads=self.config.num_heads,
                     impl=impl,
-                    row_norm=row_norm,
                 )
                 if one_token:  # the row as written (AR decoding never reads it: XLA drops this then)
                     block_k.append(_cache_row(k_cache, cache.lengths))

@@ -14,7 +14,6 @@ never subtracts -inf from -inf, so a fully masked row ends as o = 0, lse = -inf 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,65 +114,27 @@ def store_query_rows(o_ref, query, head, row_ok, o):
     plgpu.store(_at_query_rows(o_ref, query, head), o.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-class RowNorm(NamedTuple):
-    """An RMSNorm's statistics of a product's input rows, for a kernel that scales the product's rows
-    by them: scale = rsqrt(sq_sum / width + eps), as the model's own norm computes it."""
-
-    sq_sum: jax.Array  # float32 [B, T]: each row's sum of squares
-    width: int  # the rows' features
-    eps: float
-
-    def scale(self, sq_sum):
-        """The rows' scale from sq_sum (this norm's, or a tile of it a kernel loaded)."""
-        return lax.rsqrt(sq_sum / self.width + self.eps)
-
-
-class ProductRows:
-    """A product [T, H, D] as a kernel reads it: `ref` itself, or (norm given) float32 partials
-    `ref` [S, T, H, D] over slices of the product's K, whose sum times each token's `RowNorm` scale
-    (its sq_sum in sq_sum_ref [T]), rounded to `dtype`, is the product: the rounding the model's own
-    product makes, with XLA's kernels that would sum and scale them not run."""
-
-    def __init__(self, ref, sq_sum_ref=None, norm: RowNorm | None = None, dtype=None):
-        self.ref, self.sq_sum_ref, self.norm = ref, sq_sum_ref, norm
-        self.dtype = ref.dtype if norm is None else dtype
-        self.head_dim = ref.shape[-1]
-
-    def load(self, tokens, heads, cols, ok):
-        """The [R, C] tile at rows (tokens[r], heads[r]) and columns cols [C]; rows not ok read as 0."""
-        mask = ok[:, None]
-        if self.norm is None:
-            return plgpu.load(self.ref.at[tokens[:, None], heads[:, None], cols[None, :]], mask=mask, other=0.0)
-        total = None
-        for s in range(self.ref.shape[0]):  # in slice order, as the reference sums them
-            part = plgpu.load(self.ref.at[s, tokens[:, None], heads[:, None], cols[None, :]], mask=mask, other=0.0)
-            total = part if total is None else total + part
-        scale = self.norm.scale(plgpu.load(self.sq_sum_ref.at[tokens], mask=ok, other=0.0))
-        return (total * scale[:, None]).astype(self.dtype)
-
-
-def load_rotated(product, tokens, heads, cos_ref, sin_ref, ok):
-    """Rows (tokens[r], heads[r]) of a product [T, H, D] (a ref, or `ProductRows`) rotated by RoPE
-    rows tokens of cos_ref, sin_ref [T, D/2], in the product's dtype; rows not ok read as 0. As
-    rope.rotate: out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin, in float32. Each element's
-    partner (x2 for x1, x1 for x2) is a second load at shifted columns: Triton tiles cannot be split
-    or joined along D."""
-    product = product if isinstance(product, ProductRows) else ProductRows(product)
-    d = product.head_dim
+def load_rotated(ref, tokens, heads, cos_ref, sin_ref, ok):
+    """Rows (tokens[r], heads[r]) of ref [T, H, D] rotated by RoPE rows tokens of cos_ref, sin_ref
+    [T, D/2], in ref's dtype; rows not ok read as 0. As rope.rotate: out[:D/2] = x1 cos - x2 sin,
+    out[D/2:] = x2 cos + x1 sin, in float32. Each element's partner (x2 for x1, x1 for x2) is a
+    second load at shifted columns: Triton tiles cannot be split or joined along D."""
+    d = ref.shape[-1]
     half = d // 2
     cols = jnp.arange(d, dtype=jnp.int32)
     partner_cols = lax.rem(cols + half, jnp.int32(d))
     freq_cols = lax.rem(cols, jnp.int32(half))
+    rows_ok = ok[:, None]
 
     def load(indexed):
-        return plgpu.load(indexed, mask=ok[:, None], other=0.0).astype(jnp.float32)
+        return plgpu.load(indexed, mask=rows_ok, other=0.0).astype(jnp.float32)
 
-    x = product.load(tokens, heads, cols, ok).astype(jnp.float32)
-    partner = product.load(tokens, heads, partner_cols, ok).astype(jnp.float32)
+    x = load(ref.at[tokens[:, None], heads[:, None], cols[None, :]])
+    partner = load(ref.at[tokens[:, None], heads[:, None], partner_cols[None, :]])
     cos = load(cos_ref.at[tokens[:, None], freq_cols[None, :]])
     sin = load(sin_ref.at[tokens[:, None], freq_cols[None, :]])
     sign = jnp.where(cols < half, jnp.float32(-1.0), jnp.float32(1.0))
-    return (x * cos + partner * sign[None, :] * sin).astype(product.dtype)
+    return (x * cos + partner * sign[None, :] * sin).astype(ref.dtype)
 
 
 def load_rows(ref, start, size: int, valid_rows):

@@ -58,7 +58,6 @@ def _hybrid_kernel(
     num_new,
     num_splits,
     packed_heads,
-    norm,
 ):
     """One row block of one (batch, KV head) against one cache slice, or (the last split index)
     against the new keys.
@@ -66,9 +65,7 @@ def _hybrid_kernel(
     Plain: refs = (k_new, v_new [N, D], mask [T, N], o, lse). Packed (packed_heads = (Hq, Hkv)):
     q_ref is the q|k|v product [T, Hq + 2 Hkv, D] before RoPE, refs = (cos, sin [T, D/2], mask,
     o, lse, k_out, v_out [S, D] aliased to k_ref, v_ref); row block 0's new-keys program stores the
-    rotated new keys and their values at rows [cache_len, cache_len + N). norm (a `RowNorm` without
-    its array): q_ref holds the product's float32 partials [P, T, Hq + 2 Hkv, D] and the rows' sums
-    of squares [T] follow sin (`flash_block.ProductRows`)."""
+    rotated new keys and their values at rows [cache_len, cache_len + N)."""
     row0, row_ok, query, head = fb.query_rows(block_rows, num_rows, group)
     new_keys = pl.program_id(3) == 0
     # The new keys' program runs past every cache slice: its cache loop folds nothing.
@@ -81,11 +78,8 @@ def _hybrid_kernel(
     used = plan[2]
     rows_active = row_ok & (new_keys | (cache_split < used))
     if packed_heads:
-        cos_ref, sin_ref, *refs = refs
-        sq_sum_ref = refs.pop(0) if norm else None
-        mask_ref, o_ref, lse_ref, *cache_out_refs = refs
-        product = fb.ProductRows(q_ref, sq_sum_ref, norm, k_ref.dtype)
-        q = fb.load_rotated(product, query, head, cos_ref, sin_ref, rows_active)
+        cos_ref, sin_ref, mask_ref, o_ref, lse_ref, *cache_out_refs = refs
+        q = fb.load_rotated(q_ref, query, head, cos_ref, sin_ref, rows_active)
         num_heads, num_kv_heads = packed_heads
     else:
         k_new_ref, v_new_ref, mask_ref, o_ref, lse_ref = refs
@@ -102,8 +96,10 @@ def _hybrid_kernel(
         key_ok = keys < num_new
         if packed_heads:
             k_head = jnp.full((new_block_keys,), num_heads, jnp.int32) + kv_head
-            k = fb.load_rotated(product, keys, k_head, cos_ref, sin_ref, key_ok)
-            v = product.load(keys, k_head + num_kv_heads, jnp.arange(product.head_dim), key_ok)
+            k = fb.load_rotated(q_ref, keys, k_head, cos_ref, sin_ref, key_ok)
+            cols = jnp.arange(q_ref.shape[-1])[None, :]
+            v_rows = q_ref.at[keys[:, None], (k_head + num_kv_heads)[:, None], cols]
+            v = plgpu.load(v_rows, mask=key_ok[:, None], other=0.0)
         else:
             # Rows by index arrays: key0 is a Python int here, and a static slice past N (masked
             # or not) is refused when the kernel is traced.
@@ -146,7 +142,6 @@ def _hybrid_kernel(
         "num_warps",
         "num_stages",
         "packed_heads",
-        "norm",
     ),
 )
 def _hybrid_attention(
@@ -157,7 +152,6 @@ def _hybrid_attention(
     new_a,
     new_b,
     mask,
-    sq_sum=None,
     *,
     scale,
     interpret,
@@ -167,16 +161,14 @@ def _hybrid_attention(
     num_warps,
     num_stages,
     packed_heads,
-    norm=None,
 ):
     """Plain: q [B,T,Hq,D], (new_a, new_b) = (k_new, v_new) -> o. Packed (packed_heads = (Hq, Hkv)):
-    q is the q|k|v product [B,T,Hq + 2 Hkv,D] before RoPE, or with norm (a `RowNorm`'s width and eps)
-    and sq_sum [B,T] its float32 partials [P,B,T,Hq + 2 Hkv,D], (new_a, new_b) = (cos, sin)
-    [B,T,D/2] -> (o, k_cache, v_cache)."""
-    b, t, _, d = q.shape[1:] if norm else q.shape
+    q is the q|k|v product [B,T,Hq + 2 Hkv,D] before RoPE, (new_a, new_b) = (cos, sin) [B,T,D/2]
+    -> (o, k_cache, v_cache)."""
+    b, t, _, d = q.shape
     hkv = k_cache.shape[2]
     if packed_heads:
-        n, queries = t, jax.ShapeDtypeStruct((b, t, packed_heads[0], d), k_cache.dtype)
+        n, queries = t, jax.ShapeDtypeStruct((b, t, packed_heads[0], d), q.dtype)
     else:
         n, queries = new_a.shape[1], q
     group, rows, block_rows, row_blocks, num_splits = split.split_grid(
@@ -193,23 +185,14 @@ def _hybrid_attention(
         num_new=n,
         num_splits=num_splits,
         packed_heads=packed_heads,
-        norm=norm,
     )
     mask_int8 = mask.astype(jnp.int8)  # Triton has no byte-addressable bool pointers
     lengths = cache_len.astype(jnp.int32)  # each kernel caps them at the capacity: no XLA kernel does
     in_specs, out_specs, out_shape = split.split_specs(queries, k_cache, num_splits + 1, rows)
     aliases = {}
-    norm_args = ()
     if packed_heads:
-        if norm:
-            parts = q.shape[0]
-            in_specs[1] = pl.BlockSpec((parts, None, t, q.shape[3], d), lambda i, h, r, j: (0, i, 0, 0, 0))
-        else:
-            in_specs[1] = pl.BlockSpec((None, t, q.shape[2], d), lambda i, h, r, j: (i, 0, 0, 0))
+        in_specs[1] = pl.BlockSpec((None, t, q.shape[2], d), lambda i, h, r, j: (i, 0, 0, 0))
         in_specs += [pl.BlockSpec((None, t, d // 2), lambda i, h, r, j: (i, 0, 0))] * 2
-        if norm:
-            in_specs.append(pl.BlockSpec((None, t), lambda i, h, r, j: (i, 0)))
-            norm_args = (sq_sum.astype(jnp.float32),)
         # Inputs 2 and 3 (k_cache, v_cache) are outputs 2 and 3: updated in place, no copy.
         out_specs += in_specs[2:4]
         out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in (k_cache, v_cache)]
@@ -227,13 +210,13 @@ def _hybrid_attention(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="hybrid_split_k_attn_write" if packed_heads else "hybrid_split_k_attn",
-    )(lengths, q, k_cache, v_cache, new_a, new_b, *norm_args, mask_int8)
+    )(lengths, q, k_cache, v_cache, new_a, new_b, mask_int8)
     o, _ = combine_splits(
         o_parts,
         lse_parts,
         lengths,
         num_queries=t,
-        out_dtype=queries.dtype,
+        out_dtype=q.dtype,
         with_lse=False,
         interpret=interpret,
         cut=(num_splits, block_keys, 1, k_cache.shape[1]),  # the new keys' partial after the cache's
@@ -337,7 +320,6 @@ def hybrid_attention_and_write(
     mask,
     *,
     num_heads,
-    row_norm: fb.RowNorm | None = None,
     scale=None,
     interpret=None,
     block_rows=None,
@@ -355,36 +337,15 @@ def hybrid_attention_and_write(
     of the caches (rows past the capacity S are dropped; every other row stays as it was). Returns
     (o [B,T,Hq,D] in qkv.dtype, k_cache, v_cache); the caches are updated in place when the caller
     donates them (as a decode loop's carried state is). block_rows, num_warps and num_stages left
-    None are chosen for the shape (`_write_kernel_blocks`, `WRITE_KERNEL_STAGES`).
-
-    row_norm (`flash_block.RowNorm`, sq_sum [B,T]): qkv is instead the product's float32 partials
-    [P,B,T,Hq + 2 Hkv,D] over slices of its K, and the product is their sum (in slice order) times
-    each token's scale under row_norm, rounded to the caches' dtype (a folded norm:
-    `model.PackedLinear.scaled_partials`). The kernel sums and scales them as it loads, sparing the
-    kernels XLA would run to."""
-    parts = row_norm is not None
-    if qkv.ndim != 4 + parts:
-        raise ValueError(
-            f"hybrid_attention_and_write: qkv {qkv.shape} must be "
-            + ("float32 partials [P,B,T,H,D] with a row_norm" if parts else "[B,T,H,D]")
-        )
-    b, t, heads, d = qkv.shape[1:] if parts else qkv.shape
+    None are chosen for the shape (`_write_kernel_blocks`, `WRITE_KERNEL_STAGES`)."""
+    b, t, heads, d = qkv.shape
     hkv = k_cache.shape[2]
-    queries = jax.ShapeDtypeStruct((b, t, num_heads, d), k_cache.dtype)
+    queries = jax.ShapeDtypeStruct((b, t, num_heads, d), qkv.dtype)
     fb.check_grouped_shapes(queries, k_cache, v_cache, "hybrid_attention_and_write")
-    dtype_ok = qkv.dtype == (jnp.float32 if parts else k_cache.dtype) and v_cache.dtype == k_cache.dtype
-    if heads != num_heads + 2 * hkv or not dtype_ok:
+    if heads != num_heads + 2 * hkv or qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"hybrid_attention_and_write: qkv {qkv.shape} {qkv.dtype} must hold {num_heads} + 2 x {hkv} heads "
-            + (
-                "as float32 partials [P,B,T,H,D]"
-                if parts
-                else f"in the caches' dtype ({k_cache.dtype}, {v_cache.dtype})"
-            )
-        )
-    if parts and row_norm.sq_sum.shape != (b, t):
-        raise ValueError(
-            f"hybrid_attention_and_write: row_norm.sq_sum must be [B,T] = {(b, t)}, got {row_norm.sq_sum.shape}"
+            f"in the caches' dtype ({k_cache.dtype}, {v_cache.dtype})"
         )
     if cos.shape != (b, t, d // 2) or sin.shape != cos.shape:
         raise ValueError(f"hybrid_attention_and_write: cos, sin must be [B,T,D/2] = {(b, t, d // 2)}, got {cos.shape}")
@@ -398,7 +359,6 @@ def hybrid_attention_and_write(
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
         mask,
-        None if row_norm is None else row_norm.sq_sum,
         scale=float(d**-0.5 if scale is None else scale),
         interpret=fb.default_interpret() if interpret is None else interpret,
         block_rows=default_rows if block_rows is None else block_rows,
@@ -407,5 +367,4 @@ def hybrid_attention_and_write(
         num_warps=default_warps if num_warps is None else num_warps,
         num_stages=WRITE_KERNEL_STAGES if num_stages is None else num_stages,
         packed_heads=(num_heads, hkv),
-        norm=None if row_norm is None else fb.RowNorm(None, row_norm.width, row_norm.eps),
     )

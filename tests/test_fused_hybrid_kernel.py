@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_block import RowNorm
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
 from pallas_kernels.reference import (
     attention_reference,
@@ -105,45 +104,6 @@ def test_packed_kernel_rotates_attends_and_writes_the_new_rows(b, t, s, lengths,
     np.testing.assert_allclose(np.asarray(o), want, **TOL)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("parts", [1, 3])
-def test_packed_kernel_sums_scaled_partials_as_it_loads(parts, dtype):
-    """q|k|v given as float32 partials over slices of K and its rows' norm statistics: the same
-    outputs as the packed kernel given their sum times the rows' scale rounded to the caches'
-    dtype (to the bit in bfloat16; in float32 to within the rounding of the scale's rsqrt and the
-    kernel's dots, and attention over the rotated product also against float64): a slice dropped or
-    the scale skipped would show."""
-    b, t, s, lengths, (hq, hkv, d) = 2, 5, 90, np.array([40, 0], np.int32), SMOLLM2_HEADS
-    rng = np.random.default_rng([parts, t])
-    _, k_cache, v_cache, _, _, _, mask = hybrid_inputs(rng, b, t, hq, hkv, s, d, lengths)
-    partials = rng.standard_normal((parts, b, t, hq + 2 * hkv, d), np.float32)
-    norm = RowNorm(jnp.asarray(rng.uniform(10.0, 900.0, (b, t)), jnp.float32), 576, 1e-5)
-    row_scale = np.asarray(norm.scale(norm.sq_sum))
-    angles = rng.uniform(0, 100, (b, t, d // 2))
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    total = partials[0]
-    for p in partials[1:]:
-        total = total + p
-    qkv = jnp.asarray(total * row_scale[:, :, None, None]).astype(dtype)
-    caches = [jnp.asarray(c).astype(dtype) for c in (k_cache, v_cache)]
-    common = (jnp.asarray(cos), jnp.asarray(sin), *caches, jnp.asarray(lengths), jnp.asarray(mask))
-    options = dict(num_heads=hq, num_splits=2)
-    got = hybrid_attention_and_write(jnp.asarray(partials), *common, row_norm=norm, **options)
-    want = hybrid_attention_and_write(qkv, *common, **options)
-    for a, w in zip(got, want):
-        assert a.dtype == dtype
-        a, w = np.asarray(a.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
-        if dtype == jnp.bfloat16:
-            np.testing.assert_array_equal(a, w)
-        else:
-            np.testing.assert_allclose(a, w, **TOL)
-    if dtype == jnp.float32:
-        product = np.asarray(qkv)
-        q, k_new = rotated(product[:, :, :hq], cos, sin), rotated(product[:, :, hq : hq + hkv], cos, sin)
-        reference, _ = concatenated_reference(q, k_cache, v_cache, lengths, k_new, product[:, :, hq + hkv :], mask)
-        np.testing.assert_allclose(np.asarray(got[0]), reference, **TOL)
-
-
 def test_packed_kernel_rejects_bad_shapes():
     z = lambda *shape: jnp.zeros(shape, jnp.float32)
     args = (z(1, 1, 10, 64), z(1, 1, 32), z(1, 1, 32), z(1, 8, 2, 64), z(1, 8, 2, 64), jnp.ones((1,), jnp.int32))
@@ -151,15 +111,6 @@ def test_packed_kernel_rejects_bad_shapes():
         hybrid_attention_and_write(*args, jnp.ones((1, 1, 1), bool), num_heads=4)
     with pytest.raises(ValueError, match="mask must be"):
         hybrid_attention_and_write(*args, jnp.ones((1, 1, 2), bool), num_heads=6)
-    parts = (z(2, 1, 1, 10, 64), *args[1:])
-    norm = lambda *shape: RowNorm(z(*shape), 64, 1e-6)
-    with pytest.raises(ValueError, match="row_norm.sq_sum must be"):
-        hybrid_attention_and_write(*parts, jnp.ones((1, 1, 1), bool), num_heads=6, row_norm=norm(1, 2))
-    with pytest.raises(ValueError, match="float32 partials \\[P,B,T,H,D\\] with a row_norm"):
-        hybrid_attention_and_write(*args, jnp.ones((1, 1, 1), bool), num_heads=6, row_norm=norm(1, 1))
-    bf16_parts = parts[0].astype(jnp.bfloat16)
-    with pytest.raises(ValueError, match="as float32 partials"):
-        hybrid_attention_and_write(bf16_parts, *args[1:], jnp.ones((1, 1, 1), bool), num_heads=6, row_norm=norm(1, 1))
 
 
 def test_hybrid_kernel_row_that_sees_nothing_is_zero():

@@ -14,7 +14,6 @@ import pytest
 from longspec_jax.model import int8_kernel_settings
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.commit_rows import commit_rows
-from pallas_kernels.flash_block import RowNorm
 from pallas_kernels.fused_linear import fused_linear
 from pallas_kernels.head_top_k import head_top_k
 from pallas_kernels.hybrid_attention import hybrid_attention, hybrid_attention_and_write
@@ -63,17 +62,6 @@ KERNELS = {
         ),
         "qkv cos sin kc vc len mask",
     ),
-    "hybrid_write_partials": (
-        {"hybrid_split_k_attn_write", "split_k_combine"},
-        lambda parts, *rest, interpret: hybrid_attention_and_write(
-            parts,
-            *rest[:-1],
-            num_heads=parts.shape[3] - 2 * rest[2].shape[2],
-            row_norm=RowNorm(rest[-1], 576, 1e-5),
-            interpret=interpret,
-        ),
-        "parts cos sin kc vc len mask scale",
-    ),
     "cache": ({"cache_split_k_attn", "split_k_combine"}, cache_attention, "q kc vc len"),
     "masked": ({"fused_mask_attn"}, masked_attention, "q kn vn mask"),
 }
@@ -95,8 +83,6 @@ def test_kernels_lower_to_valid_triton_modules(lowered_modules, kernel, b, t, hq
         "qkv": jax.ShapeDtypeStruct((b, t, hq + 2 * hkv, d), bf16),
         "cos": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
         "sin": jax.ShapeDtypeStruct((b, t, d // 2), jnp.float32),
-        "parts": jax.ShapeDtypeStruct((4, b, t, hq + 2 * hkv, d), jnp.float32),
-        "scale": jax.ShapeDtypeStruct((b, t), jnp.float32),
     }
     lower_for_cuda(lambda *args: fn(*args, interpret=False), *(shapes[a] for a in arg_names.split()))
     assert_valid_modules(lowered_modules, names)
