@@ -82,10 +82,6 @@ def accept(tree: Tree, picks: jax.Array) -> Acceptance:
     agrees = (tree.tokens == parent_pick) | (tree.parents < 0)  # the root always agrees
     diagonal = jnp.diagonal(tree.mask, axis1=1, axis2=2)  # False for nodes of unbuilt levels
     reached = diagonal & jnp.all(~tree.mask | agrees[:, None, :], axis=2)  # [B, N]
-    # Reduced in a kernel of its own: nested inside the argmax's reduction below, XLA's fusion
-    # rebuilt each node's ancestors (the chain of levels that made the mask) for every element (one
-    # kernel of 217 us a round on an H100 at SmolLM2's shape, once the levels were slice updates).
-    reached = jax.lax.optimization_barrier(reached)
     last = jnp.argmax(jnp.where(reached, depths[None, :], -1), axis=1).astype(jnp.int32)
     n_moves = depths[last]
     on_path = _at_node(tree.mask, last)  # [B, N]: the walk's nodes, the root included
