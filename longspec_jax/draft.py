@@ -533,7 +533,7 @@ def draft_propose_level(
         raise ValueError(f"tree nodes up to {end - 1} exceed the draft state's {r} tree slots")
     b = tokens.shape[0]
     positions = jnp.broadcast_to(root_positions[:, None] + depth, (b, w)).astype(jnp.int32)
-    ancestors = jnp.pad(sees[:, :, 1:start], ((0, 0), (0, 0), (0, r - start + 1)))  # the tree slots each node sees
+    ancestors = jnp.zeros((b, w, r), bool).at[:, :, : start - 1].set(sees[:, :, 1:start])
     return _forward_block(
         block,
         target_model,

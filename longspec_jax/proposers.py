@@ -231,7 +231,7 @@ class DraftProposer:
         b = prompt_tokens.shape[0]
         state = self.draft.prefill(params, model, self.draft.init_state(params, b), prompt_tokens, prompt_lengths)
         rows = self.pending_rows or len(self.widths) + 1
-        pending = jnp.pad(first.astype(jnp.int32)[:, None], ((0, 0), (0, rows - 1)))
+        pending = jnp.zeros((b, rows), jnp.int32).at[:, 0].set(first)
         return DraftProposal(draft=state, pending=pending, n_pending=jnp.ones((b,), jnp.int32))
 
     @staticmethod
@@ -256,7 +256,7 @@ class DraftProposer:
         positions = root_pos[:, None] - (n_out[:, None] - 1) + before_root
         draft = self.draft.remember(params, model, state.draft, tokens, positions, valid)
         root = jnp.take_along_axis(out, (n_out - 1)[:, None], axis=1)
-        pending = jnp.pad(root, ((0, 0), (0, state.pending.shape[1] - 1)))
+        pending = jnp.zeros_like(state.pending).at[:, :1].set(root)
         return state.replace(draft=draft, pending=pending, n_pending=jnp.ones_like(state.n_pending))
 
     @property

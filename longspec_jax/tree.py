@@ -126,37 +126,26 @@ def node_depths(widths) -> np.ndarray:
     return np.repeat(np.arange(len(widths) + 1), (1,) + tuple(widths)).astype(np.int32)
 
 
-def _with_columns(x: jax.Array, start: int, columns: jax.Array) -> jax.Array:
-    """x [B, N, ...] with columns [start, start + columns.shape[1]) replaced: a slice update. (An
-    indexed `.at[].set` is a scatter whose bounds checks XLA left in a tree's loop as kernels of
-    their own, five a round.)"""
-    return jax.lax.dynamic_update_slice_in_dim(x, columns.astype(x.dtype), start, axis=1)
-
-
 def _empty_tree(root_tokens: jax.Array, widths: tuple[int, ...]) -> Tree:
     b = root_tokens.shape[0]
     n = num_nodes(widths)
-    first = np.arange(n) == 0
-    return Tree(
-        tokens=_with_columns(jnp.zeros((b, n), jnp.int32), 0, root_tokens[:, None]),
-        parents=jnp.full((b, n), -1, jnp.int32),
-        scores=jnp.broadcast_to(jnp.asarray(np.where(first, 0.0, -np.inf), jnp.float32), (b, n)),
-        mask=jnp.broadcast_to(jnp.asarray(first[:, None] & first[None, :]), (b, n, n)),
-        widths=widths,
-    )
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(root_tokens.astype(jnp.int32))
+    scores = jnp.full((b, n), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    mask = jnp.zeros((b, n, n), bool).at[:, 0, 0].set(True)
+    return Tree(tokens=tokens, parents=jnp.full((b, n), -1, jnp.int32), scores=scores, mask=mask, widths=widths)
 
 
 def _add_level(tree: Tree, depth: int, parents: jax.Array, tokens: jax.Array, scores: jax.Array) -> Tree:
     """Write level `depth` (parents, tokens, scores: [B, W[depth-1]]); each mask row = parent's row + itself."""
     start, end = level_slice(tree.widths, depth)
-    n = tree.tokens.shape[1]
-    parent_rows = jnp.take_along_axis(tree.mask, parents[:, :, None], axis=1, mode="promise_in_bounds")  # [B, w, N]
-    self_cols = jnp.asarray(np.arange(n)[None, None, :] == np.arange(start, end)[None, :, None])
+    b, n = tree.tokens.shape
+    parent_rows = jnp.take_along_axis(tree.mask, parents[:, :, None], axis=1)  # [B, w, N]
+    self_cols = jnp.arange(n)[None, None, :] == jnp.arange(start, end)[None, :, None]
     return tree.replace(
-        tokens=_with_columns(tree.tokens, start, tokens),
-        parents=_with_columns(tree.parents, start, parents),
-        scores=_with_columns(tree.scores, start, scores),
-        mask=_with_columns(tree.mask, start, parent_rows | self_cols),
+        tokens=tree.tokens.at[:, start:end].set(tokens.astype(jnp.int32)),
+        parents=tree.parents.at[:, start:end].set(parents.astype(jnp.int32)),
+        scores=tree.scores.at[:, start:end].set(scores),
+        mask=tree.mask.at[:, start:end, :].set(parent_rows | self_cols),
     )
 
 
@@ -278,7 +267,7 @@ def chain_tree(root_tokens: jax.Array, chain: jax.Array) -> Tree:
     tree = _empty_tree(root_tokens, (1,) * k)
     n = k + 1
     return tree.replace(
-        tokens=_with_columns(tree.tokens, 1, chain),
+        tokens=tree.tokens.at[:, 1:].set(chain.astype(jnp.int32)),
         parents=jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, n)),
         scores=jnp.zeros((b, n), jnp.float32),
         mask=jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n)),
