@@ -176,12 +176,18 @@ def test_hybrid_kernel_rejects_bad_shapes():
         )
 
 
-@pytest.mark.parametrize("t, num_parts, unused", [(3, 5, 0), (7, 37, 0), (3, 2, 0), (7, 37, 6), (3, 6, 3)])
-def test_combine_equals_attention_over_the_union_of_slices(t, num_parts, unused):
+@pytest.mark.parametrize(
+    "t, num_parts, unused, counted",
+    [(3, 5, 0, False), (7, 37, 0, False), (3, 2, 0, False), (7, 37, 6, False), (3, 6, 3, False), (3, 5, 3, True)],
+)
+def test_combine_equals_attention_over_the_union_of_slices(t, num_parts, unused, counted):
     """P partials over disjoint random key subsets (flash_block's row order): a chunk of parts or
     several (37: the last chunk shifted back over parts already merged), one row block or two;
     rows that only some slices see, a row that no slice sees (o = 0, lse = -inf), and a slice
-    nobody sees. `unused` slots past the partials (NaN, as an unwritten output) are not read."""
+    nobody sees. `unused` slots past the partials (NaN, as an unwritten output) are not read.
+    counted: the combine counts the partials itself from cached lengths (`cut`): 256 keys in 16-key
+    tiles of at least 4 a slice are 4 slices, plus one extra part; 600 keys in a 256-row cache count
+    as 256 (uncapped they would count 8 + 1, reading the NaN slots)."""
     rng = np.random.default_rng(12 + num_parts)
     b, hq, hkv, n, d = 2, 9, 3, 80, 64
     q = rng.standard_normal((b, t, hq, d))
@@ -201,11 +207,12 @@ def test_combine_equals_attention_over_the_union_of_slices(t, num_parts, unused)
     o, lse = combine_splits(
         jnp.asarray(np.concatenate([o_parts, np.repeat(nan[..., None], d, -1)], 2), jnp.float32),
         jnp.asarray(np.concatenate([lse_parts, nan], 2), jnp.float32),
-        jnp.full((b,), num_parts, jnp.int32),
+        jnp.asarray([256, 600], jnp.int32) if counted else jnp.full((b,), num_parts, jnp.int32),
         num_queries=t,
         out_dtype=jnp.float32,
         with_lse=True,
         interpret=True,
+        cut=(8, 16, 1, 256) if counted else None,
     )
     want_o, want_lse = attention_reference(q, k, v, visible)
     o, lse = np.asarray(o), np.asarray(lse)
