@@ -432,14 +432,17 @@ class PackedMLP(nnx.Module):
         self.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj], small_rows, norm)
         self.down_proj = PackedLinear([mlp.down_proj], small_rows)
 
-    def __call__(self, x, normed=None):
+    def _gated(self, x, normed=None):
+        """silu(gate) * up, the down product's input."""
         gate, up = self.gate_up_proj.parts(x, normed)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return jax.nn.silu(gate) * up
+
+    def __call__(self, x, normed=None):
+        return self.down_proj(self._gated(x, normed))
 
     def split_product(self, x, normed=None) -> tuple[jax.Array, bool]:
         """This MLP's output as the down product's `PackedLinear.split_product`."""
-        gate, up = self.gate_up_proj.parts(x, normed)
-        return self.down_proj.split_product(jax.nn.silu(gate) * up)
+        return self.down_proj.split_product(self._gated(x, normed))
 
 
 class DecoderLayer(nnx.Module):

@@ -134,11 +134,6 @@ def split_specs(q, k_cache, num_parts: int, rows: int):
     return in_specs, out_specs, out_shape
 
 
-def valid_lengths(cache_len, k_cache):
-    """cache_len as int32, capped at the cache capacity."""
-    return jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])
-
-
 @functools.partial(
     jax.jit, static_argnames=("scale", "interpret", "block_rows", "block_keys", "num_splits", "num_warps", "num_stages")
 )

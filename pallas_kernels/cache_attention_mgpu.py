@@ -37,7 +37,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import flash_block as fb
-from pallas_kernels.cache_attention import valid_lengths
 from pallas_kernels.split_combine import combine_splits, split_plan
 
 QUERY_ROWS = 64  # a wgmma tile's rows: the kernel takes exactly this many queries
@@ -336,7 +335,7 @@ def default_num_splits(q, k_cache, block_keys: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_keys", "stages", "interpret"))
 def _cache_attention(q, k_cache, v_cache, cache_len, block_mask, *, scale, num_splits, block_keys, stages, interpret):
-    lengths = valid_lengths(cache_len, k_cache)
+    lengths = jnp.minimum(cache_len.astype(jnp.int32), k_cache.shape[1])  # capped at the capacity
     bias = None if block_mask is None else own_keys_bias(block_mask, lengths, k_cache.shape[1])
     o_parts, lse_parts = _partials(
         q,
