@@ -59,8 +59,8 @@ def _hybrid_kernel(
     num_splits,
     packed_heads,
 ):
-    """One row block of one (batch, KV head) against one cache slice, or (the last split index)
-    against the new keys.
+    """One row block of one (batch, KV head) against one cache slice, or (split index 0) against
+    the new keys.
 
     Plain: refs = (k_new, v_new [N, D], mask [T, N], o, lse). Packed (packed_heads = (Hq, Hkv)):
     q_ref is the q|k|v product [T, Hq + 2 Hkv, D] before RoPE, refs = (cos, sin [T, D/2], mask,
