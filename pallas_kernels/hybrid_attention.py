@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cache_attention as split
 from pallas_kernels import flash_block as fb
-from pallas_kernels.split_combine import combine_splits
+from pallas_kernels.split_combine import combine_splits, split_plan
 
 
 def _hybrid_kernel(
@@ -74,7 +74,7 @@ def _hybrid_kernel(
     # The cache's slices that hold keys write their partials first (split_plan), the new keys' right
     # after them, where the combine's count ends. A split past those has nothing to do: it loads no
     # query row and writes nothing.
-    plan = split.split_plan(length, num_splits, block_keys)
+    plan = split_plan(length, num_splits, block_keys)
     used = plan[2]
     rows_active = row_ok & (new_keys | (cache_split < used))
     if packed_heads:
