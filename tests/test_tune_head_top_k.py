@@ -3,6 +3,13 @@
 import pytest
 
 from benchmarks import bench_draft_top_k, tune_head_top_k
+from benchmarks.floors import Rates
+
+
+@pytest.fixture(autouse=True)
+def fixed_rates(monkeypatch):
+    """No 2 GiB copy on the CPU: the floors at a fixed 1 GB/s."""
+    monkeypatch.setattr(tune_head_top_k, "measure_rates", lambda: Rates(bandwidth=1e9, matmul=1e15))
 
 
 def test_every_setting_is_timed_over_the_head_in_each_format(monkeypatch, capsys):
@@ -13,7 +20,13 @@ def test_every_setting_is_timed_over_the_head_in_each_format(monkeypatch, capsys
 
     assert [r[2:4] for r in results] == [("int8", 256), ("int8", 128), ("bf16", 256), ("bf16", 128)]
     assert all(isinstance(r[-1], float) and r[-1] > 0 for r in results)
-    assert "300 1 int8 128 4 3 32" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    int8_row = next(line for line in lines if line.startswith("300 1 int8 128 4 3 32 "))
+    bf16_row = next(line for line in lines if line.startswith("300 1 bf16 256 None 3 None "))
+    # the floors: the int8 head's 300 x 64 bytes and 300 float32 scales, the bf16 head's 2 x 300 x 64
+    # bytes, at 1 GB/s; then the time against them
+    assert [float(f) for f in int8_row.split()[-2:]] == [20.4, round(results[1][-1] / 20.4, 2)]
+    assert [float(f) for f in bf16_row.split()[-2:]] == [38.4, round(results[2][-1] / 38.4, 2)]
 
 
 def test_settings_and_k_from_the_command_line(monkeypatch, capsys):
