@@ -8,8 +8,8 @@ by `bench_draft_top_k.loop_us`: its calls inside one device loop (each call's in
 previous result), best of three; us per call. A setting is (tokens per program, warps, pipeline
 stages, features of H a step loads); None is the kernel's default. --settings times only the given
 ones, each as block_vocab:warps:stages:block_h with "-" for a default. Each row also gives the
-head's bytes at the bandwidth this process measures (`floors.measure_rates`) and the time against
-them.
+pass's floor at the rates this process measures (`floors.Rates.seconds`: the head read once, or its
+matrix work if longer) and the time against it.
 
     python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16] [--k 16]
         [--formats int8,bf16] [--settings 256:-:3:-,128:4:3:-]
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_draft_top_k import loop_us
 from benchmarks.floors import measure_rates
+from longspec_jax.decode_kit import cache_bytes
 from longspec_jax.int8_rows import quantized_rows
 from pallas_kernels.head_top_k import head_top_k
 
@@ -70,7 +71,7 @@ def main(argv=None) -> list[tuple]:
     formats = args.formats.split(",")
     if not set(formats) <= {"int8", "bf16"}:
         raise SystemExit(f"--formats: {args.formats!r} names a format other than int8 and bf16")
-    bandwidth = measure_rates().bandwidth
+    rates = measure_rates()
     print("vocab rows format block_vocab warps stages block_h us floor_us us/floor", flush=True)
     results = []
     for shape in args.shapes.split(","):
@@ -81,7 +82,7 @@ def main(argv=None) -> list[tuple]:
         for rows in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.bfloat16)
             for head_format in formats:
-                floor_us = sum(a.nbytes for a in heads[head_format].values()) / bandwidth * 1e6
+                floor_us = rates.seconds(cache_bytes(heads[head_format]), 2 * rows * vocab * hidden) * 1e6
                 for block_vocab, warps, stages, block_h in settings:
                     knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
                     top_k = functools.partial(head_top_k, k=args.k, **heads[head_format], **knobs)
