@@ -50,10 +50,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         """The config of an HF config dict; a missing key or a value of the wrong type is a UserError."""
