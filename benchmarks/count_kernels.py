@@ -15,6 +15,12 @@ Needs the CUDA plugin wheels of the installed jax (no GPU, no driver):
     JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --hlo-out /tmp/hlo --by-op 20
     JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --modes auto,longspec --tree-widths 4,4,4 \\
         --temperature 1 --loops
+    JAX_PLATFORMS=cpu python -m benchmarks.count_kernels --shape vicuna7b --layers 2 --list
+
+A 7B shape compiles on a CPU in well under a minute cut to a few layers (--layers): each layer adds
+the same kernels, so two cuts give a layer's kernels and what the round launches outside the layers
+(the draft's levels, the acceptance). --list prints the loop body's kernels in the order XLA
+scheduled them, each with its output's shape and the JAX operation it comes from.
 
 SmolLM2-135M's shape with random weights by default (a program's kernels do not depend on the
 weights); a 4,500-token prompt and 256 new tokens size the cache as `Generator` would.
@@ -23,6 +29,7 @@ weights); a 4,500-token prompt and 256 new tokens size the cache as `Generator` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from pathlib import Path
 from unittest import mock
@@ -31,9 +38,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.decode_kernels import loop_body_kernels, loop_body_kernels_by_op, while_loops
+from benchmarks.decode_kernels import loop_body_kernel_list, loop_body_kernels, loop_body_kernels_by_op, while_loops
 from infer.generate import parse_tree_widths
 from longspec_jax.adaptive import adaptive_proposer, candidate_plan
+from longspec_jax.config import ModelConfig
 from longspec_jax.decode_kit import StopRule, plan_lengths
 from longspec_jax.decode_loop import LoopConfig, decode, start, started
 from longspec_jax.draft_io import init_draft
@@ -45,6 +53,16 @@ from longspec_jax.target import random_target
 from pallas_kernels import flash_block
 
 TARGET_DESCRIPTION = Path(__file__).resolve().parent / "h200.txtpb"
+
+
+def cut_shape(name: str, layers: int | None = None) -> ModelConfig:
+    """MODEL_SHAPES[name], cut to its first `layers` layers where given."""
+    config = MODEL_SHAPES[name]
+    if layers is None:
+        return config
+    if not 1 <= layers <= config.num_layers:
+        raise SystemExit(f"--layers must be 1 to {config.num_layers} for {name}, got {layers}")
+    return dataclasses.replace(config, num_layers=layers)
 
 
 def gpu_device(description: Path = TARGET_DESCRIPTION):
@@ -134,6 +152,7 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--attn-impl", choices=("xla", "cudnn", "pallas"), default="pallas")
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--layers", type=int, help="the shape cut to this many layers (default: all of them)")
     parser.add_argument("--modes", default="ar,longspec", help="comma-separated: ar, pld, longspec, auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
@@ -150,6 +169,7 @@ def main(argv=None) -> dict[str, int]:
     parser.add_argument(
         "--no-small-rows", action="store_true", help="products of 1-3 rows as dots (the layout before SMALL_ROWS)"
     )
+    parser.add_argument("--list", action="store_true", help="also print every kernel of the loop body in order")
     parser.add_argument("--hlo-out", type=Path, help="write each loop's optimised HLO text here")
     parser.add_argument("--by-op", type=int, default=0, metavar="N", help="also print the N JAX ops with most kernels")
     parser.add_argument(
@@ -166,13 +186,14 @@ def main(argv=None) -> dict[str, int]:
     args = parser.parse_args(argv)
 
     device = gpu_device()
-    target = random_target(MODEL_SHAPES[args.shape], seed=0, dtype="bfloat16")
+    target = random_target(cut_shape(args.shape, args.layers), seed=0, dtype="bfloat16")
     target.model.fused_projections = args.fused_projections
     target.model.norm_kernels = not args.norms_in_xla
     draft = init_draft(target, seed=1).cast(jnp.bfloat16)
     projections = "fused" if args.fused_projections else "XLA"
     print(
-        f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, batch {args.batch}, "
+        f"compiled for: {device.device_kind}; jax {jax.__version__}; {args.shape}, "
+        f"{target.config.num_layers} layers, batch {args.batch}, "
         f"T = {args.temperature:g}, "
         f"attention {args.attn_impl}, projections {projections}, small-row products "
         f"{'off' if args.no_small_rows else SMALL_ROWS}"
@@ -200,6 +221,9 @@ def main(argv=None) -> dict[str, int]:
                 print(f"  loop {body}: {condition_kernels} kernels a condition, {body_kernels} an iteration")
         for op, n in loop_body_kernels_by_op(text).most_common(args.by_op):
             print(f"  {n:4d}  {op}")
+        if args.list:
+            for i, (name, shape, op) in enumerate(loop_body_kernel_list(text)):
+                print(f"  {i:4d}  {name[:36]:36s} {shape[:48]:48s} {op}")
         if args.hlo_out is not None:
             args.hlo_out.mkdir(parents=True, exist_ok=True)
             (args.hlo_out / f"{mode}.hlo.txt").write_text(text)

@@ -148,20 +148,33 @@ def while_loops(text: str) -> list[tuple[str, int, int]]:
     ]
 
 
+def _jax_op(line: str) -> str:
+    """The JAX operation a launching instruction comes from: the op_name of its metadata without the
+    jit / while nesting (e.g. "dot_general", "jit(log_softmax)/reduce_max"), "?" where XLA kept none."""
+    name = re.search(r'op_name="([^"]*)"', line)
+    parts = (
+        []
+        if name is None
+        else [p for p in name.group(1).split("/") if not re.fullmatch(r"jit\(decode\)|while|body|cond", p)]
+    )
+    return "/".join(parts) or "?"
+
+
 def loop_body_kernels_by_op(text: str) -> collections.Counter:
-    """`loop_body_kernels` split by the JAX operation each kernel comes from (the op_name of its
-    metadata without the jit / while nesting, e.g. "dot_general", "jit(log_softmax)/reduce_max";
-    "?" where XLA kept none): where a loop's kernels come from."""
-    by_op = collections.Counter()
+    """`loop_body_kernels` split by the JAX operation each kernel comes from (`_jax_op`): where a
+    loop's kernels come from."""
+    return collections.Counter(_jax_op(line) for line in _loop_body_launches(text))
+
+
+def loop_body_kernel_list(text: str) -> list[tuple[str, str, str]]:
+    """`loop_body_kernels`' kernels one by one, in the order the compiled loop body holds them (XLA's
+    schedule): (instruction name, its output's shape, the JAX operation it comes from)."""
+    rows = []
     for line in _loop_body_launches(text):
-        name = re.search(r'op_name="([^"]*)"', line)
-        parts = (
-            []
-            if name is None
-            else [p for p in name.group(1).split("/") if not re.fullmatch(r"jit\(decode\)|while|body|cond", p)]
-        )
-        by_op["/".join(parts) or "?"] += 1
-    return by_op
+        name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+        shape = rest[1 : rest.index(")")] if rest.startswith("(") else rest.split(" ", 1)[0]
+        rows.append((name.lstrip("%"), shape, _jax_op(line)))
+    return rows
 
 
 def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "") -> dict[str, int]:

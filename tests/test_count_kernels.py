@@ -1,6 +1,8 @@
 """benchmarks/count_kernels.py builds the decode loop as Generator does and counts its kernels; on
 the CPU it compiles for the CPU (the GPU description needs the CUDA plugin wheels)."""
 
+import collections
+import dataclasses
 import re
 
 import jax
@@ -8,10 +10,17 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import count_kernels
-from benchmarks.decode_kernels import SMALL_CONFIG, loop_body_kernels, while_loops
+from benchmarks.decode_kernels import (
+    SMALL_CONFIG,
+    loop_body_kernel_list,
+    loop_body_kernels,
+    loop_body_kernels_by_op,
+    while_loops,
+)
 from longspec_jax.adaptive import candidate_plan, lookup_tokens_of
 from longspec_jax.draft import DraftConfig
 from longspec_jax.draft_io import init_draft
+from longspec_jax.model_shapes import MODEL_SHAPES
 from longspec_jax.target import random_target
 
 
@@ -76,3 +85,26 @@ def test_the_h200_description_names_a_hopper_chip():
     text = count_kernels.TARGET_DESCRIPTION.read_text()
     assert 'device_description_str: "NVIDIA H200"' in text
     assert "cuda_compute_capability { major: 9 minor: 0 }" in text and "core_count: 132" in text
+
+
+def test_the_kernel_list_names_each_counted_kernel_once_with_its_op():
+    target = random_target(SMALL_CONFIG, seed=0, dtype="float32")
+    draft = init_draft(target, seed=1, config=DraftConfig(window=16)).cast(jnp.float32)
+    text = count_kernels.loop_program(target, draft, "longspec", 40, 8, "xla", jax.devices("cpu")[0], widths=(2, 2))
+    rows = loop_body_kernel_list(text)
+    assert len(rows) == loop_body_kernels(text)
+    assert len({name for name, _, _ in rows}) == len(rows)
+    assert collections.Counter(op for _, _, op in rows) == loop_body_kernels_by_op(text)
+    # Each shape is an HLO array shape (or a tuple's), e.g. f32[1,2,64]{2,1,0}.
+    assert all(re.match(r"^(pred|[sfu]\d+|bf16)\[", shape) for _, shape, _ in rows), rows[:5]
+    assert any(op.endswith("dot_general") for _, _, op in rows)
+
+
+def test_a_shape_cut_to_fewer_layers_keeps_everything_else():
+    whole = MODEL_SHAPES["vicuna7b"]
+    cut = count_kernels.cut_shape("vicuna7b", 2)
+    assert cut.num_layers == 2 and dataclasses.replace(cut, num_layers=whole.num_layers) == whole
+    assert count_kernels.cut_shape("vicuna7b") == whole
+    for wrong in (0, whole.num_layers + 1):
+        with pytest.raises(SystemExit, match="--layers must be 1 to 32"):
+            count_kernels.cut_shape("vicuna7b", wrong)
