@@ -59,6 +59,8 @@ DOC = Path(__file__).resolve().parent.parent / "examples" / "doc.txt"
 FREE_OPS = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "opt-barrier", "after-all"}
 CONTROL_OPS = {"while", "call", "conditional"}
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][a-z\-]*)\((.*)$")
+# A launching instruction's name and output shape (a tuple's shapes without their parentheses).
+LAUNCH_HEAD = re.compile(r"^\s*(?:ROOT )?%?(?P<name>[\w.\-]+) = (?:\((?P<tuple>[^)]*)\)|(?P<shape>\S+))")
 SMALL_CONFIG = ModelConfig(
     model_type="llama",
     vocab_size=256,
@@ -169,12 +171,8 @@ def loop_body_kernels_by_op(text: str) -> collections.Counter:
 def loop_body_kernel_list(text: str) -> list[tuple[str, str, str]]:
     """`loop_body_kernels`' kernels one by one, in the order the compiled loop body holds them (XLA's
     schedule): (instruction name, its output's shape, the JAX operation it comes from)."""
-    rows = []
-    for line in _loop_body_launches(text):
-        name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
-        shape = rest[1 : rest.index(")")] if rest.startswith("(") else rest.split(" ", 1)[0]
-        rows.append((name.lstrip("%"), shape, _jax_op(line)))
-    return rows
+    heads = (LAUNCH_HEAD.match(line) for line in _loop_body_launches(text))
+    return [(head["name"], head["tuple"] or head["shape"], _jax_op(head.string)) for head in heads]
 
 
 def new_loop_programs(before: set, hlo_out: Path | None = None, label: str = "") -> dict[str, int]:
