@@ -19,7 +19,8 @@ and the verify's (the products' weights and the cache's K/V; the verify's 64 row
 its attention bound by the matrix work at a GQA model's long context), and the draft's (per level
 the block's weights, the shared LM head and the target's last-layer K/V it cross-attends). The
 round's floor is the draft's and the verify's together: "fl r/AR", that floor against the AR step's,
-is the round / AR ratio this design can reach at best.
+is the round / AR ratio this design can reach at best. --no-parts times the round and the AR step
+only (the parts' columns read nan): a row compiles and runs about half as much.
 --trace DIR also records one more run of each loop under the profiler and prints where its GPU time
 goes per round (or step) by kernel class and the kernels that took most (`trace_round`'s summary).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
@@ -135,10 +136,24 @@ def traced(trace_dir: Path | None, label: str, run, make, steps: int, top: int =
 
 
 def bench_longspec(
-    target, graphdef, params, draft, *, context, batch, widths, rounds, repeats, impl, trace_dir=None, lookup_tokens=0
+    target,
+    graphdef,
+    params,
+    draft,
+    *,
+    context,
+    batch,
+    widths,
+    rounds,
+    repeats,
+    impl,
+    trace_dir=None,
+    lookup_tokens=0,
+    parts=True,
 ):
     """(ms per round in the loop, {draft_ms, verify_ms, accept_ms, parts_sum_ms}, draft state bytes);
-    lookup_tokens > 0: the tree with a prompt-lookup chain of that many tokens beside it."""
+    lookup_tokens > 0: the tree with a prompt-lookup chain of that many tokens beside it; parts
+    False: the parts not timed (NaN), their three programs neither compiled nor run."""
     sampling = SamplingParams.create(0.0)
     stop = StopRule.create((), 2**30)  # never reached: every run makes exactly `rounds` rounds
     # Room for the timed loop's rounds and for profile_round's 2 (1 + rounds) rounds, each from a fresh state.
@@ -168,8 +183,11 @@ def bench_longspec(
     traced(
         trace_dir, f"round_{context}", lambda st: run_decode(params, draft_params, st, stop_at, sampling), make, rounds
     )
-    parts, state = profile_round(config, params, draft_params, make(), sampling, repeats=rounds)
-    return 1e3 * statistics.median(per_round[1:]), parts, proposer.cache_bytes(state.proposal)
+    if parts:
+        times, state = profile_round(config, params, draft_params, make(), sampling, repeats=rounds)
+    else:
+        times, state = dict.fromkeys(("draft_ms", "verify_ms", "accept_ms", "parts_sum_ms"), float("nan")), make()
+    return 1e3 * statistics.median(per_round[1:]), times, proposer.cache_bytes(state.proposal)
 
 
 def bench_ar(target, graphdef, params, *, context, batch, steps, repeats, impl, trace_dir=None):
@@ -228,6 +246,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default=model_module.INT8_PRODUCTS,
         help="comma-separated ways an int8 draft block's products run on a GPU (xla: XLA's GEMM, the default; "
         "kernel: fused_linear), a round timed with each",
+    )
+    p.add_argument(
+        "--no-parts",
+        action="store_true",
+        help="time the round and the AR step only, not the draft, verify and accept programs "
+        "(a row then compiles and runs about half as much)",
     )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     p.add_argument(
@@ -300,6 +324,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         impl=args.impl,
                         trace_dir=args.trace and args.trace / shape / row.candidates.replace("/", "_"),
                         lookup_tokens=args.lookup_tokens,
+                        parts=not args.no_parts,
                     )
                     row.draft_ms, row.verify_ms = parts["draft_ms"], parts["verify_ms"]
                     row.accept_ms, row.parts_sum_ms = parts["accept_ms"], parts["parts_sum_ms"]

@@ -52,3 +52,15 @@ def test_each_block_format_is_a_row_and_the_models_int8_route_is_left_as_it_was(
     assert all(r.round_ms > 0 and not r.error for r in rows)
     assert rows[1].draft_floor_ms < rows[0].draft_floor_ms  # the int8 block's bytes
     assert model.INT8_PRODUCTS == "xla"
+
+
+def test_no_parts_times_the_round_and_the_ar_step_only():
+    """--no-parts: the round and the AR step timed beside their floors, the parts left unmeasured."""
+    from benchmarks import bench_speculative
+
+    args = ["--small", "--contexts", "64", "--rounds", "2", "--repeats", "1", "--tree-widths", "2,2", "--no-parts"]
+    (row,) = bench_speculative.main(args)
+
+    assert row.round_ms > 0 and row.ar_ms > 0 and not row.error
+    assert row.draft_ms != row.draft_ms and row.verify_ms != row.verify_ms and row.parts_sum_ms != row.parts_sum_ms
+    assert row.draft_cache_mib > 0 and row.verify_floor_ms > 0
