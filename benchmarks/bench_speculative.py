@@ -20,7 +20,7 @@ its attention bound by the matrix work at a GQA model's long context), and the d
 the block's weights, the shared LM head and the target's last-layer K/V it cross-attends). The
 round's floor is the draft's and the verify's together: "fl r/AR", that floor against the AR step's,
 is the round / AR ratio this design can reach at best. --no-parts times the round and the AR step
-only (the parts' columns read nan): a row compiles and runs about half as much.
+only (the parts' columns read nan): a row compiles and runs two loops instead of five programs.
 --trace DIR also records one more run of each loop under the profiler and prints where its GPU time
 goes per round (or step) by kernel class and the kernels that took most (`trace_round`'s summary).
 The target runs in its inference layout (packed q|k|v and gate|up, as `Generator` decodes);
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "--no-parts",
         action="store_true",
         help="time the round and the AR step only, not the draft, verify and accept programs "
-        "(a row then compiles and runs about half as much)",
+        "(a row then compiles and runs two loops instead of five programs)",
     )
     p.add_argument("--trace", type=Path, help="also trace one run of each loop here and print where its time goes")
     p.add_argument(
