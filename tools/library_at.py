@@ -19,6 +19,7 @@ import argparse
 import io
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -49,9 +50,7 @@ def _remove(path: Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
-        for child in path.iterdir():
-            _remove(child)
-        path.rmdir()
+        shutil.rmtree(path)
 
 
 def run(library: Path, module: str, args: list[str]) -> None:
