@@ -9,10 +9,11 @@ previous result), best of three; us per call. A setting is (tokens per program, 
 stages, features of H a step loads); None is the kernel's default. --settings times only the given
 ones, each as block_vocab:warps:stages:block_h with "-" for a default. Each row also gives the
 pass's floor at the rates this process measures (`floors.Rates.seconds`: the head read once, or its
-matrix work if longer) and the time against it.
+matrix work if longer) and the time against it. --groups G ranks the rows under Gumbel noise of
+G groups, as a batch of G sequences' tree level does (64 rows, 4 groups: a batch of four's level).
 
     python -m benchmarks.tune_head_top_k [--shapes 128256x4096,32000x4096] [--rows 1,16] [--k 16]
-        [--formats int8,bf16] [--settings 256:-:3:-,128:4:3:-]
+        [--formats int8,bf16] [--settings 256:-:3:-,128:4:3:-] [--groups 4]
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def main(argv=None) -> list[tuple]:
     parser.add_argument("--k", type=int, default=16, help="candidates a row")
     parser.add_argument("--settings", help="only these, as block_vocab:warps:stages:block_h,... (- for a default)")
     parser.add_argument("--formats", default="int8", help="the head's formats, of int8 and bf16 (comma-separated)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=0,
+        help="rank the rows under Gumbel noise of this many groups (a batch's sequences; each count of "
+        "--rows a multiple of it); 0: no noise",
+    )
     args = parser.parse_args(argv)
     settings = SETTINGS if args.settings is None else parse_settings(args.settings)
     formats = args.formats.split(",")
@@ -80,12 +88,15 @@ def main(argv=None) -> list[tuple]:
         rows8, scale = quantized_rows(head)
         heads = {"bf16": {"head": head}, "int8": {"head": rows8, "head_scale": scale}}
         for rows in (int(r) for r in args.rows.split(",")):
+            if args.groups and rows % args.groups:
+                raise SystemExit(f"--rows: {rows} rows do not fall into --groups {args.groups} equal groups")
             x = jax.random.normal(jax.random.key(rows), (rows, hidden), jnp.bfloat16)
+            noise = jax.random.gumbel(jax.random.key(rows + 1), (args.groups, vocab)) if args.groups else None
             for head_format in formats:
                 floor_us = rates.seconds(cache_bytes(heads[head_format]), 2 * rows * vocab * hidden) * 1e6
                 for block_vocab, warps, stages, block_h in settings:
                     knobs = dict(block_vocab=block_vocab, num_warps=warps, num_stages=stages, block_h=block_h)
-                    top_k = functools.partial(head_top_k, k=args.k, **heads[head_format], **knobs)
+                    top_k = functools.partial(head_top_k, k=args.k, noise=noise, **heads[head_format], **knobs)
                     try:
                         us = loop_us(top_k, x)
                     except Exception as err:  # a setting the compiler refuses is a row, not a crash

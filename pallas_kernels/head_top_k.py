@@ -23,8 +23,11 @@ rows against 56-215 us for XLA's GEMM, log-softmax and top-k: 1.2-3.2x the head'
 With `noise` [G, V] (the rows in G equal groups, one noise row each) the k tokens chosen are the
 best of logits + noise, and their values are logit + noise - logsumexp(logits): at zero noise the
 log-probs, and with Gumbel noise the draft's side of a Gumbel race (a sampling tree's coupled
-candidates, proposers.py). The softmax statistics never see the noise. Row groups run as a grid
-axis, so a tile reads one noise row.
+candidates, proposers.py). The softmax statistics never see the noise. The groups share a row
+block: a batch's sequences (a group each) are one block of rows, so each head tile is loaded once
+for all of them, and each row adds its own group's noise row to the tile's logits. The grid's
+row-block axis varies fastest, so where rows span several blocks the programs that read the same
+head tile run side by side and share it through the L2.
 
 A tile with fewer than k tokens (the last one, when V is not a multiple of the tile) pads its
 candidates with -inf, never chosen: there are V >= k finite logits ahead of them.
@@ -134,26 +137,27 @@ def _top_k_rounds(scores, ids, k: int, slots: int, no_id: int):
     return values, best_ids
 
 
-def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
-    """hidden [G, W, H] (scaled: its int8 parts high, low [G, W, H]), head [V, H], (scaled)
-    head_scale [V] and the rows' largest |entry| [G, W] (their parts' `parts_scale`), (noisy) noise
-    [G, V], all whole; writes this program's tile of values, ids [G, W, T, k] and max, sum [G, W, T]."""
+def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, per_group, scaled):
+    """hidden [R, H] (scaled: its int8 parts high, low [R, H]), head [V, H], (scaled) head_scale [V]
+    and the rows' largest |entry| [R] (their parts' `parts_scale`), (per_group) noise [G, V] with
+    row r in group r // per_group, all whole; writes this program's tile of values, ids [R, T, k]
+    and max, sum [R, T]."""
     refs = list(refs)
     hidden_refs = [refs.pop(0) for _ in range(2 if scaled else 1)]
     head_ref = refs.pop(0)
     scale_ref, peak_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
-    noise_ref = refs.pop(0) if noisy else None
+    noise_ref = refs.pop(0) if per_group else None
     values_ref, ids_ref, max_ref, sum_ref = refs
-    _, num_rows, dim = hidden_refs[0].shape
+    num_rows, dim = hidden_refs[0].shape
     vocab = head_ref.shape[0]
-    group = pl.program_id(0)
-    row0 = pl.program_id(1) * block_rows
-    tile = pl.program_id(2)
-    row_ok = row0 + jnp.arange(block_rows) < num_rows
+    row0 = pl.program_id(0) * block_rows
+    tile = pl.program_id(1)
+    row = row0 + jnp.arange(block_rows)
+    row_ok = row < num_rows
     token = tile * block_vocab + jnp.arange(block_vocab)
     token_ok = token < vocab
     tokens = pl.ds(tile * block_vocab, block_vocab)
-    rows = (group, pl.ds(row0, block_rows))
+    rows = (pl.ds(row0, block_rows),)
 
     def accumulate(c, sums):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
@@ -178,12 +182,19 @@ def _tile_kernel(*refs, k, block_rows, block_vocab, chunk, noisy, scaled):
     plgpu.store(max_ref.at[(*rows, tile)], top, mask=row_ok)
     plgpu.store(sum_ref.at[(*rows, tile)], total, mask=row_ok)
 
-    if noisy:
-        logits = logits + plgpu.load(noise_ref.at[group, tokens], mask=token_ok, other=0.0)[None, :]
+    if per_group:
+        if noise_ref.shape[0] == 1:  # one group: one noise row for every row
+            noise = plgpu.load(noise_ref.at[pl.ds(0, 1), tokens], mask=token_ok[None, :], other=0.0)
+        else:  # each row its group's noise row (the same few rows, from the L2)
+            group = jnp.minimum(row // per_group, noise_ref.shape[0] - 1)
+            noise = plgpu.load(
+                noise_ref.at[group[:, None], token[None, :]], mask=row_ok[:, None] & token_ok[None, :], other=0.0
+            )
+        logits = logits + noise
     slots = _power_of_two_at_least(k)
     ids = jnp.broadcast_to(token[None, :], logits.shape)
     values, best_ids = _top_k_rounds(logits, ids, k, slots, vocab)
-    out = (group, pl.ds(row0, block_rows), tile, pl.ds(0, slots))
+    out = (pl.ds(row0, block_rows), tile, pl.ds(0, slots))
     ok = row_ok[:, None] & (jnp.arange(slots) < k)[None, :]
     plgpu.store(values_ref.at[out], values, mask=ok)
     plgpu.store(ids_ref.at[out], best_ids, mask=ok)
@@ -218,10 +229,8 @@ def _merge_kernel(values_ref, ids_ref, max_ref, sum_ref, log_probs_ref, top_ids_
 def _head_top_k(
     hidden, head, head_scale, noise, *, k, interpret, block_rows, block_vocab, chunk, num_warps, num_stages
 ):
-    rows, dim = hidden.shape
+    rows = hidden.shape[0]
     vocab = head.shape[0]
-    groups = 1 if noise is None else noise.shape[0]
-    per_group = rows // groups
     tiles = pl.cdiv(vocab, block_vocab)
     tile_kernel = functools.partial(
         _tile_kernel,
@@ -229,25 +238,26 @@ def _head_top_k(
         block_rows=block_rows,
         block_vocab=block_vocab,
         chunk=chunk,
-        noisy=noise is not None,
+        per_group=None if noise is None else rows // noise.shape[0],
         scaled=head_scale is not None,
     )
     if head_scale is None:
-        inputs = (hidden.reshape(groups, per_group, dim), head)
+        inputs = (hidden, head)
     else:
         # the kernel takes each row's peak and derives the scale itself: XLA then runs the parts as
         # two kernels (the peak, the parts), not three (a third for a scale both would read)
-        high, low, peak = _parts_and_peak(hidden.reshape(groups, per_group, dim))
+        high, low, peak = _parts_and_peak(hidden)
         inputs = (high, low, head, head_scale.astype(jnp.float32), peak)
     inputs += () if noise is None else (noise.astype(jnp.float32),)
     values, ids, tile_max, tile_sum = pl.pallas_call(
         tile_kernel,
-        grid=(groups, pl.cdiv(per_group, block_rows), tiles),
+        # row blocks first: the launch's fastest axis, so the blocks of one head tile run together
+        grid=(pl.cdiv(rows, block_rows), tiles),
         out_shape=[
-            jax.ShapeDtypeStruct((groups, per_group, tiles, k), jnp.float32),
-            jax.ShapeDtypeStruct((groups, per_group, tiles, k), jnp.int32),
-            jax.ShapeDtypeStruct((groups, per_group, tiles), jnp.float32),
-            jax.ShapeDtypeStruct((groups, per_group, tiles), jnp.float32),
+            jax.ShapeDtypeStruct((rows, tiles, k), jnp.float32),
+            jax.ShapeDtypeStruct((rows, tiles, k), jnp.int32),
+            jax.ShapeDtypeStruct((rows, tiles), jnp.float32),
+            jax.ShapeDtypeStruct((rows, tiles), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -328,8 +338,7 @@ def head_top_k(
     default `head_chunk`'s) and Triton's num_warps / num_stages default to choices for the H200.
     """
     _check(hidden, head, k, noise, head_scale)
-    per_group = hidden.shape[0] // (1 if noise is None else noise.shape[0])
-    block_rows = fb.block_size(per_group, MAX_BLOCK_ROWS) if block_rows is None else block_rows
+    block_rows = fb.block_size(hidden.shape[0], MAX_BLOCK_ROWS) if block_rows is None else block_rows
     block_vocab = BLOCK_VOCAB if block_vocab is None else block_vocab
     dim = hidden.shape[1]
     block_h = head_chunk(dim, block_vocab, head.dtype.itemsize) if block_h is None else block_h

@@ -163,6 +163,7 @@ INT8_CASES = [
     (37, 4099, 96, 16, jnp.float32, 0, {"block_rows": 16, "block_vocab": 128}),
     (16, 1000, 576, 8, jnp.bfloat16, 0, {}),
     (6, 1000, 64, 4, jnp.float32, 2, {}),
+    (64, 1000, 64, 16, jnp.bfloat16, 4, {}),  # a batch of 4's tree level: four groups in one block
     (16, 1000, 576, 8, jnp.bfloat16, 0, {"block_h": 32}),
 ]
 
@@ -269,18 +270,21 @@ def test_gpu_compiled_kernel_matches_xla(r, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Pallas kernel needs an NVIDIA GPU")
-@pytest.mark.parametrize("r,k", [(1, 16), (16, 4)])
-def test_gpu_compiled_kernel_over_an_int8_head_matches_xla(r, k):
+@pytest.mark.parametrize("r,k,groups", [(1, 16, 0), (16, 4, 0), (64, 16, 4)])
+def test_gpu_compiled_kernel_over_an_int8_head_matches_xla(r, k, groups):
     """The compiled kernels over a 7B's int8 head (32,000 x 4,096 and a scale a row) against XLA's
-    log-softmax and top-k of the same scaled rows."""
+    log-softmax and top-k of the same scaled rows; with groups, a batch's tree level: each group's
+    rows ranked under its own noise row, all in one block."""
     rng = np.random.default_rng(r)
     hidden = jnp.asarray(rng.standard_normal((r, 4096)), jnp.bfloat16)
     head, scale = int8_rows(rng, 32000, 4096)
+    noise = jnp.asarray(rng.gumbel(size=(groups, 32000)), jnp.float32) if groups else None
 
-    log_probs, ids = jax.jit(lambda x, w, s: head_top_k(x, w, k, head_scale=s))(hidden, head, scale)
+    log_probs, ids = jax.jit(lambda x, w, s, n: head_top_k(x, w, k, head_scale=s, noise=n))(hidden, head, scale, noise)
 
     logits = jnp.dot(hidden, head.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scale
-    want = jax.lax.top_k(jax.nn.log_softmax(logits), k + 1)
+    raced = jax.nn.log_softmax(logits) + (0.0 if noise is None else jnp.repeat(noise, r // groups, axis=0))
+    want = jax.lax.top_k(raced, k + 1)
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(want[0][:, :k]), atol=1e-3)
     gaps = -np.diff(np.asarray(want[0]), axis=1)
     settled = gaps > 1e-3

@@ -45,3 +45,19 @@ def test_a_malformed_setting_names_the_form(monkeypatch):
         tune_head_top_k.main(["--settings", "128:four:3:-"])
     with pytest.raises(SystemExit, match="other than int8 and bf16"):
         tune_head_top_k.main(["--formats", "int4"])
+
+
+def test_rows_in_noise_groups(monkeypatch, capsys):
+    """--groups passes Gumbel noise of that many groups to the kernel; rows that do not split into
+    them are refused."""
+    monkeypatch.setattr(bench_draft_top_k, "ITERATIONS", 1)
+    seen = []
+    real = tune_head_top_k.head_top_k
+    monkeypatch.setattr(tune_head_top_k, "head_top_k", lambda *a, **kw: seen.append(kw["noise"]) or real(*a, **kw))
+
+    results = tune_head_top_k.main(["--shapes", "300x64", "--rows", "8", "--settings", "128:-:2:32", "--groups", "4"])
+
+    assert len(results) == 1 and isinstance(results[0][-1], float)
+    assert {n.shape for n in seen} == {(4, 300)}
+    with pytest.raises(SystemExit, match="do not fall into --groups 3"):
+        tune_head_top_k.main(["--shapes", "300x64", "--rows", "8", "--groups", "3"])
