@@ -2,7 +2,8 @@
 streamer (`pallas_kernels.row_matmul_mgpu`), each beside the bytes floor of the same process.
 
     python -m benchmarks.bench_row_products [--shapes llama31_8b,vicuna7b] [--rows 1,16,64]
-        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--int8] [--reduction] [--json OUT]
+        [--layers 32] [--repeats 10] [--configs 128:1:4,256:1:4,...] [--int8] [--reduction]
+        [--xla-splits 1,2,4] [--json OUT]
 
 Each product (q|k|v, o, gate|up, down, in the inference layout [N, K]) runs over `--layers`
 distinct weight matrices, one after the other, inside a device loop of `--repeats` passes: a real
@@ -18,7 +19,9 @@ int8_rows.py): XLA's product, XLA's int8 by int8 product of the rows' two int8 p
 `PackedLinear` writes its `SMALL_ROWS` (a multiply and a float32 sum over each weight row, one
 reduction kernel) beside XLA's product, each with its output written out as the model's next
 kernel reads it (here the loop's sum could otherwise absorb the product's last step): whether a
-row count belongs in `SMALL_ROWS` at a shape.
+row count belongs in `SMALL_ROWS` at a shape. --xla-splits also times XLA's product with K cut into
+each given number of slices, one batched product of float32 partials written out (what a consumer
+that sums partials, as the norm kernels sum the streamer's, would read).
 """
 
 from __future__ import annotations
@@ -85,6 +88,39 @@ def run_reduction(name, product, weights, rows_list, repeats, rates):
             f"{name:<11}{product:<8} rows {rows:>3}, written out: floor {1e6 * floor:7.1f} us | XLA {1e6 * xla:7.1f}"
             f" ({xla / floor:4.2f}x) | multiply-reduce {1e6 * reduced:7.1f} ({reduced / floor:4.2f}x)"
         )
+    return records
+
+
+def xla_split_product(splits: int):
+    """XLA's product with K cut into `splits` slices, one batched product of float32 partials
+    [splits, rows, N] written out (a consumer that sums them, as the norm kernels sum the streamer's)."""
+
+    def product(x, w):
+        rows, k = x.shape
+        parts = jax.lax.dot_general(
+            x.reshape(rows, splits, k // splits),
+            w.reshape(w.shape[0], splits, k // splits),
+            (((2,), (2,)), ((1,), (1,))),
+            preferred_element_type=jnp.float32,
+        )
+        return jax.lax.optimization_barrier(parts)
+
+    return product
+
+
+def run_xla_splits(name, product, weights, rows_list, splits_list, repeats, rates):
+    """XLA's product in K slices of float32 partials (`xla_split_product`) beside the plain one."""
+    n, k = weights[0].shape
+    records = []
+    for rows in rows_list:
+        floor = rates.seconds(n * k * 2, 2 * rows * n * k)
+        times = {s: time_product(xla_split_product(s), weights, rows, repeats) for s in splits_list if k % s == 0}
+        records.append(
+            dict(shape=name, product=f"{product} XLA in K slices", n=n, k=k, rows=rows, floor_us=1e6 * floor,
+                 split_us={s: 1e6 * t for s, t in times.items()})
+        )  # fmt: skip
+        shown = " | ".join(f"{s} slices {1e6 * t:7.1f} ({t / floor:4.2f}x)" for s, t in times.items())
+        print(f"{name:<11}{product:<8} rows {rows:>3}, XLA in K slices: floor {1e6 * floor:7.1f} us | {shown}")
     return records
 
 
@@ -168,7 +204,9 @@ def run_int8(name, product, weights, rows_list, repeats, rates):
     return records
 
 
-def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8=False, reduction=False):
+def run_product(
+    name, product, n, k, rows_list, layers, repeats, configs, rates, int8=False, reduction=False, xla_splits=()
+):
     key = jax.random.fold_in(jax.random.key(0), zlib.crc32(product.encode()))
     weights = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(layers)]
     floor = {rows: rates.seconds(n * k * 2, 2 * rows * n * k) for rows in rows_list}
@@ -208,13 +246,17 @@ def run_product(name, product, n, k, rows_list, layers, repeats, configs, rates,
         )
     if reduction:
         records += run_reduction(name, product, weights, rows_list, repeats, rates)
+    if xla_splits:
+        records += run_xla_splits(name, product, weights, rows_list, xla_splits, repeats, rates)
     return records + (run_int8(name, product, weights, rows_list, repeats, rates) if int8 else [])
 
 
-def run_shape(name, rows_list, layers, repeats, configs, rates, int8=False, reduction=False):
+def run_shape(name, rows_list, layers, repeats, configs, rates, int8=False, reduction=False, xla_splits=()):
     records = []
     for product, (n, k) in product_shapes(name).items():
-        records += run_product(name, product, n, k, rows_list, layers, repeats, configs, rates, int8, reduction)
+        records += run_product(
+            name, product, n, k, rows_list, layers, repeats, configs, rates, int8, reduction, xla_splits
+        )
     return records
 
 
@@ -235,15 +277,24 @@ def main(argv=None):
         action="store_true",
         help="also time each product as multiply-reduce (SMALL_ROWS' form) beside XLA's, both written out",
     )
+    parser.add_argument(
+        "--xla-splits",
+        default="",
+        help="also time XLA's product with K cut into each of these numbers of slices, as one batched product "
+        "of float32 partials (comma-separated, e.g. 1,2,4)",
+    )
     parser.add_argument("--json", help="write every timing here")
     args = parser.parse_args(argv)
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",") if c]  # "": XLA's alone
     rows_list = [int(r) for r in args.rows.split(",")]
+    xla_splits = [int(s) for s in args.xla_splits.split(",") if s]
     rates = floors.measure_rates()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; floors at {rates.bandwidth / 1e9:.0f} GB/s")
     records = []
     for name in args.shapes.split(","):
-        records += run_shape(name, rows_list, args.layers, args.repeats, configs, rates, args.int8, args.reduction)
+        records += run_shape(
+            name, rows_list, args.layers, args.repeats, configs, rates, args.int8, args.reduction, xla_splits
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

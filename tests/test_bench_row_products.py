@@ -80,3 +80,19 @@ def test_the_reduction_equals_the_product_and_both_are_timed_written_out():
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
     records = bench.run_reduction("tiny", "o", weights, [1, 3], 1, floors.Rates(bandwidth=1e12, matmul=1e14))
     assert [r["rows"] for r in records] == [1, 3] and all(r["xla_us"] > 0 and r["reduction_us"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_the_k_slices_partials_sum_to_the_product_and_are_timed(splits):
+    """--xla-splits: the float32 partials of K's slices sum to the product (float64), and each slice
+    count gets its time in the records."""
+    weights = [0.02 * jax.random.normal(jax.random.key(i), (64, 128), jnp.bfloat16) for i in range(2)]
+    x = jax.random.normal(jax.random.key(9), (5, 128), jnp.bfloat16)
+    parts = bench.xla_split_product(splits)(x, weights[0])
+    assert parts.shape == (splits, 5, 64) and parts.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(weights[0], np.float64).T
+    np.testing.assert_allclose(np.asarray(parts, np.float64).sum(0), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    rates = floors.Rates(bandwidth=1e12, matmul=1e14)
+    records = bench.run_xla_splits("tiny", "o", weights, [1, 5], [1, splits], 1, rates)
+    assert [r["rows"] for r in records] == [1, 5]
+    assert all(sorted(r["split_us"]) == sorted({1, splits}) and min(r["split_us"].values()) > 0 for r in records)
