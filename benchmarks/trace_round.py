@@ -20,6 +20,7 @@ not with the span.
     python -m benchmarks.trace_round --out /tmp/trace --tree-widths 1 --temperature 1   # one drawn token
     python -m benchmarks.trace_round --out /tmp/trace --tree-widths 4,4,4 --temperature 1 --candidate-tokens 16384
     python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 23 --top 30
+    python -m benchmarks.trace_round --summarise TRACE.json.gz --rounds 16 --list-round 10  # one round, in order
 
 With `--target` (a checkpoint or GGUF), `--draft` and an eval prompt (`--prompts FILE.jsonl
 --prompt-index I`) it traces real weights instead, where acceptance decides what runs; then
@@ -108,6 +109,32 @@ def top_kernels(trace: dict, rounds: int, n: int) -> list[tuple[str, float, floa
     return [(name, count / rounds, us / 1e3 / rounds) for name, (count, us) in ranked]
 
 
+def round_kernels(trace: dict, index: int) -> list[dict]:
+    """Round `index` (0 first) of a LongSpec loop's kernels in launch order: a round ends with its
+    commit of the accepted rows (`commit_rows`), so round i runs from the kernel after the i-th
+    commit to the (i + 1)-th. Only whole rounds: those before the first commit count from the prefill."""
+    kernels = loop_kernels(trace)
+    ends = [i for i, e in enumerate(kernels) if kernel_class(e["name"]) == "commit"]
+    if not 0 <= index < len(ends):
+        raise SystemExit(f"--list-round {index}: the trace holds {len(ends)} rounds (ended by a commit kernel)")
+    start = ends[index - 1] + 1 if index else 0
+    return kernels[start : ends[index] + 1]
+
+
+def print_round(trace: dict, index: int) -> None:
+    """Each kernel of round `index` in launch order: its time, the gap before it (us; the first one's
+    from the end of the kernel before the round) and its name."""
+    kernels = round_kernels(trace, index)
+    loop = loop_kernels(trace)
+    first = next(i for i, e in enumerate(loop) if e is kernels[0])
+    previous_end = loop[first - 1]["ts"] + loop[first - 1]["dur"] if first else None
+    for e in kernels:
+        gap = 0.0 if previous_end is None else e["ts"] - previous_end
+        previous_end = e["ts"] + e["dur"]
+        print(f"    {e['dur']:8.1f} us {gap:7.1f} us gap  {e['name'][:100]}")
+    print(f"  round {index}: {len(kernels)} kernels, {sum(e['dur'] for e in kernels) / 1e3:.3f} ms busy")
+
+
 def print_top(trace: dict, rounds: int, n: int) -> None:
     for name, count, ms in top_kernels(trace, rounds, n):
         print(f"    {ms:7.3f} ms {count:6.1f} x  {name[:110]}")
@@ -190,6 +217,9 @@ def main(argv=None) -> None:
     parser.add_argument("--summarise", type=Path, help="only summarise this Perfetto trace (.json.gz)")
     parser.add_argument("--rounds", type=int, default=23, help="rounds in the --summarise trace")
     parser.add_argument("--top", type=int, default=0, help="also list the N kernels that took the most time")
+    parser.add_argument(
+        "--list-round", type=int, help="also list round N's kernels in launch order (LongSpec traces; 0 first)"
+    )
     parser.add_argument("--fused-projections", action="store_true", help="the projections as fused Pallas kernels")
     parser.add_argument("--tree-widths", type=lambda s: tuple(int(w) for w in s.split(",")), help="e.g. 1 or 4,16,16")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -228,6 +258,8 @@ def main(argv=None) -> None:
         print_summary(f"{label} ({path})", summarise(trace, rounds))
         if args.top:
             print_top(trace, rounds, args.top)
+        if args.list_round is not None and "commit" in summarise(trace, rounds):
+            print_round(trace, args.list_round)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 that it traces a saved model's modes on an eval prompt (CPU)."""
 
 import argparse
+import gzip
 import json
 
 import pytest
@@ -125,3 +126,40 @@ def test_without_a_target_random_weights_of_smollm2s_shape_load():
     args = argparse.Namespace(target=None, prompt_tokens=12, candidate_tokens=None)
     target, draft, prompt = trace_round.load(args)
     assert target.config == MODEL_SHAPES["smollm2_135m"] and draft is not None and len(prompt) == 12
+
+
+def test_a_round_is_listed_from_the_kernel_after_one_commit_to_the_next():
+    t = trace(
+        ("cudnn_generated_fort_native_sdpa", 0.0, 100.0),
+        ("head_top_k_tiles", 200.0, 50.0),
+        ("commit_rows_in_cache", 250.0, 5.0),
+        ("head_top_k_tiles", 300.0, 40.0),
+        ("gemm_fusion_dot_1", 341.0, 20.0),
+        ("commit_rows_in_cache", 361.0, 5.0),
+    )
+    first, second = trace_round.round_kernels(t, 0), trace_round.round_kernels(t, 1)
+    assert [e["name"] for e in first] == ["head_top_k_tiles", "commit_rows_in_cache"]
+    assert [(e["name"], e["dur"]) for e in second] == [
+        ("head_top_k_tiles", 40.0),
+        ("gemm_fusion_dot_1", 20.0),
+        ("commit_rows_in_cache", 5.0),
+    ]
+    with pytest.raises(SystemExit, match="holds 2 rounds"):
+        trace_round.round_kernels(t, 2)
+
+
+def test_list_round_prints_the_rounds_kernels_with_their_gaps(tmp_path, capsys):
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(
+            trace(
+                ("commit_rows_in_cache", 100.0, 5.0),
+                ("gemm_fusion_dot_1", 107.0, 20.0),
+                ("commit_rows_in_cache", 130.0, 5.0),
+            ),
+            f,
+        )
+    trace_round.main(["--summarise", str(path), "--rounds", "2", "--list-round", "1"])
+    out = capsys.readouterr().out
+    assert "20.0 us     2.0 us gap  gemm_fusion_dot_1" in out
+    assert "round 1: 2 kernels, 0.025 ms busy" in out
