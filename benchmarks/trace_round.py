@@ -109,30 +109,35 @@ def top_kernels(trace: dict, rounds: int, n: int) -> list[tuple[str, float, floa
     return [(name, count / rounds, us / 1e3 / rounds) for name, (count, us) in ranked]
 
 
-def round_kernels(trace: dict, index: int) -> list[dict]:
-    """Round `index` (0 first) of a LongSpec loop's kernels in launch order: a round ends with its
+def _round_span(kernels: list[dict], index: int) -> tuple[int, int]:
+    """[start, end) of round `index` (0 first) in a LongSpec loop's kernels: a round ends with its
     commit of the accepted rows (`commit_rows`), so round i runs from the kernel after the i-th
     commit to the (i + 1)-th. Only whole rounds: those before the first commit count from the prefill."""
-    kernels = loop_kernels(trace)
     ends = [i for i, e in enumerate(kernels) if kernel_class(e["name"]) == "commit"]
     if not 0 <= index < len(ends):
         raise SystemExit(f"--list-round {index}: the trace holds {len(ends)} rounds (ended by a commit kernel)")
-    start = ends[index - 1] + 1 if index else 0
-    return kernels[start : ends[index] + 1]
+    return (ends[index - 1] + 1 if index else 0), ends[index] + 1
+
+
+def round_kernels(trace: dict, index: int) -> list[dict]:
+    """Round `index` of a LongSpec loop's kernels in launch order (`_round_span`)."""
+    kernels = loop_kernels(trace)
+    start, end = _round_span(kernels, index)
+    return kernels[start:end]
 
 
 def print_round(trace: dict, index: int) -> None:
     """Each kernel of round `index` in launch order: its time, the gap before it (us; the first one's
     from the end of the kernel before the round) and its name."""
-    kernels = round_kernels(trace, index)
     loop = loop_kernels(trace)
-    first = next(i for i, e in enumerate(loop) if e is kernels[0])
-    previous_end = loop[first - 1]["ts"] + loop[first - 1]["dur"] if first else None
-    for e in kernels:
+    start, end = _round_span(loop, index)
+    previous_end = loop[start - 1]["ts"] + loop[start - 1]["dur"] if start else None
+    for e in loop[start:end]:
         gap = 0.0 if previous_end is None else e["ts"] - previous_end
         previous_end = e["ts"] + e["dur"]
         print(f"    {e['dur']:8.1f} us {gap:7.1f} us gap  {e['name'][:100]}")
-    print(f"  round {index}: {len(kernels)} kernels, {sum(e['dur'] for e in kernels) / 1e3:.3f} ms busy")
+    busy_ms = sum(e["dur"] for e in loop[start:end]) / 1e3
+    print(f"  round {index}: {end - start} kernels, {busy_ms:.3f} ms busy")
 
 
 def print_top(trace: dict, rounds: int, n: int) -> None:
@@ -255,10 +260,11 @@ def main(argv=None) -> None:
         )
     for label, (path, rounds) in traces.items():
         trace = json.load(gzip.open(path))
-        print_summary(f"{label} ({path})", summarise(trace, rounds))
+        summary = summarise(trace, rounds)
+        print_summary(f"{label} ({path})", summary)
         if args.top:
             print_top(trace, rounds, args.top)
-        if args.list_round is not None and "commit" in summarise(trace, rounds):
+        if args.list_round is not None and "commit" in summary:  # an AR trace has no rounds to list
             print_round(trace, args.list_round)
 
 
